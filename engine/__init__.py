@@ -1,0 +1,1 @@
+"""agent-infer: a small, fast LLM inference engine."""

@@ -1,0 +1,183 @@
+"""Tensor-parallel communication: the TP group, its collectives and the custom all-reduce.
+
+``init_tp_distributed`` sets one module-level group; the collectives below run
+over it. Layers are handed a ``TPGroup`` to decide their shard and never ask
+``torch.distributed`` themselves, so a layer can be built for "rank r of n" in
+a single process.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+ONE_SHOT_MAX_BYTES = 256 << 10   # one-shot below this: each rank reads every peer
+SYMM_BUFFER_BYTES = 8 << 20      # two-shot up to this; NCCL above
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group; ``group=None`` means the world group."""
+
+    rank: int = 0
+    size: int = 1
+    group: ProcessGroup | None = None
+
+
+_tp = TPGroup()
+_custom_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+
+
+def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
+    """Join the TP group described by RANK / WORLD_SIZE / LOCAL_RANK and return it.
+
+    WORLD_SIZE unset or <= 1: returns ``TPGroup()`` at once, no process group (a
+    single-process run must never wait for a master). Otherwise CUDA sets
+    ``LOCAL_RANK`` as the device and creates one group (gloo for CPU tensors,
+    NCCL for CUDA tensors); CPU-only hosts get gloo. Idempotent.
+    """
+    global _tp
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 or _tp.size > 1:
+        return _tp
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = dict(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            kwargs.update(backend="cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group(**kwargs)
+        dist.barrier()
+    _tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size())
+    return _tp
+
+
+def get_tp_group() -> TPGroup:
+    """The group set by ``init_tp_distributed``, or ``TPGroup()`` (rank 0 of 1)."""
+    return _tp
+
+
+@torch.library.custom_op("agent_infer::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over the TP group, as a new tensor (same shape, dtype, device).
+
+    Uses the custom all-reduce when initialised and the message fits, else
+    NCCL/gloo. Registered as a custom op so torch.compile treats it as opaque.
+    """
+    if _tp.size == 1:
+        return x.clone()
+    if _custom_all_reduce is not None:
+        out = _custom_all_reduce(x)
+        if out is not None:
+            return out
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_tp.group)
+    return out
+
+
+@all_reduce_sum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """``[..., d] -> [..., d * size]``: every rank's ``x`` concatenated in rank order.
+
+    Returns ``x`` itself when the group has one rank.
+    """
+    if _tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_tp.size)]
+    dist.all_gather(parts, x, group=_tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (over gloo, never NCCL)."""
+    if _tp.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, group=_tp.group, group_src=src, device=torch.device("cpu"))
+    return box[0]
+
+
+def broadcast_tensor(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite ``t`` in place with rank ``src``'s ``t`` and return it."""
+    if _tp.size > 1:
+        dist.broadcast(t, group=_tp.group, group_src=src)
+    return t
+
+
+def init_custom_all_reduce(device: torch.device | str) -> None:
+    """Try to give ``all_reduce_sum`` a faster path for small CUDA messages. Never raises.
+
+    With tp > 1 on CUDA: torch symmetric memory (one-shot / two-shot, never
+    multicast), else vllm's custom all-reduce when vllm imports. It is used only
+    if every rank succeeded; otherwise the reason is logged once and
+    ``all_reduce_sum`` keeps using NCCL. A no-op for tp = 1 or a CPU device.
+    """
+    global _custom_all_reduce
+    device = torch.device(device)
+    if _tp.size == 1 or device.type != "cuda" or _custom_all_reduce is not None:
+        return
+    reasons = []
+    for make in (_symmetric_memory_all_reduce, _vllm_all_reduce):
+        try:
+            handle = make(device)
+        except Exception as e:  # any failure means "fall back", never a crash
+            handle = None
+            reasons.append(f"{make.__name__}: {e!r}")
+        if _on_every_rank(handle is not None):
+            _custom_all_reduce = handle
+            return
+    log.warning("custom all-reduce unavailable, using NCCL (%s)", "; ".join(reasons) or "another rank failed")
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """True when ``flag`` is true on every rank (keeps the ranks choosing the same path)."""
+    votes = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=_tp.group)
+    return bool(votes.item())
+
+
+def _symmetric_memory_all_reduce(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """An all-reduce over this rank's own symmetric-memory buffer, for bf16/fp32 sums that fit."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    group_name = (_tp.group or dist.group.WORLD).group_name
+    own_buffer = symm_mem.empty(SYMM_BUFFER_BYTES, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(own_buffer, group_name)
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor | None:
+        nbytes = x.numel() * x.element_size()
+        if x.dtype not in (torch.bfloat16, torch.float32) or nbytes > SYMM_BUFFER_BYTES or nbytes % 16:
+            return None
+        staging = own_buffer[:nbytes].view(x.dtype).view(x.shape)
+        if nbytes <= ONE_SHOT_MAX_BYTES:
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x.contiguous(), "sum", group_name)
+        staging.copy_(x)
+        out = torch.empty_like(staging)
+        return torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", group_name, out)
+
+    return all_reduce
+
+
+def _vllm_all_reduce(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """vllm's custom all-reduce (it keeps one registered buffer per rank itself)."""
+    from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce
+
+    gloo_group = dist.new_group(backend="gloo")  # its IPC-handle exchange needs object collectives
+    custom = CustomAllreduce(gloo_group, device)
+    if custom.disabled:
+        raise RuntimeError("vllm disabled its custom all-reduce on this machine")
+    return lambda x: custom.custom_all_reduce(x) if custom.should_custom_ar(x) else None
