@@ -1,0 +1,5 @@
+import sys
+
+from gates.cli import main
+
+sys.exit(main())

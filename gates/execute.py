@@ -1,0 +1,146 @@
+"""Execute one run of a gate as a subprocess and collect its per-test results.
+
+``single``: ``python -m pytest -m "not torchrun" <tests>``.
+``torchrun``: ``python -m torch.distributed.run --standalone --nproc_per_node N
+-m pytest -m torchrun <tests>`` (standalone rendezvous picks a free port).
+Results come from ``gates.pytest_plugin`` (one JSON file per rank); a test that
+fails in any rank fails the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gates
+from gates.schema import Run
+
+COUNT_KEY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors"}
+SEVERITY = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
+OUTPUT_TAIL_CHARS = 4000
+PYTEST_NO_TESTS = 5
+
+
+@dataclass
+class RunResult:
+    """The outcome of one subprocess. ``status``: passed | failed | empty (no
+    test ran) | skipped (a requirement is absent; ``reason`` says which)."""
+    mode: str
+    nproc: int
+    tests: tuple[str, ...]
+    status: str
+    reason: str = ""
+    command: str = ""
+    returncode: int | None = None
+    duration_s: float = 0.0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEY.values(), 0))
+    failing: list[dict] = field(default_factory=list)
+    ranks: list[dict] = field(default_factory=list)
+    output_tail: str = ""
+
+    @property
+    def label(self) -> str:
+        return "single" if self.mode == "single" else f"torchrun nproc={self.nproc}"
+
+
+def pytest_command(run: Run, nproc: int, root: Path) -> list[str]:
+    """The command line for ``run`` (with ``nproc`` ranks when it is a torchrun run)."""
+    pytest_args = ["-m", "pytest", "-p", "gates.pytest_plugin", "-p", "no:cacheprovider",
+                   "--rootdir", str(root), "-q", "-rfE"]
+    if run.mode == "single":
+        return [sys.executable, *pytest_args, "-m", "not torchrun", *run.tests]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(nproc), *pytest_args, "-m", "torchrun", *run.tests]
+
+
+def missing_requirements(run: Run) -> list[str]:
+    """Requirements of ``run`` this machine lacks (only ``cuda`` is known)."""
+    if "cuda" in run.requires:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ["cuda (torch.cuda.is_available() is False)"]
+    return []
+
+
+def _child_env(result_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    package_parent = str(Path(gates.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    env["GATES_RESULT_DIR"] = result_dir
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def _merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
+    """Merge per-rank test lists: the worst outcome wins; remember failing ranks."""
+    merged: dict[str, dict] = {}
+    ranks = []
+    for data in sorted(rank_files, key=lambda d: d["rank"]):
+        counts = dict.fromkeys(COUNT_KEY.values(), 0)
+        for t in data["tests"]:
+            counts[COUNT_KEY[t["outcome"]]] += 1
+            m = merged.setdefault(t["nodeid"], {**t, "ranks": []})
+            if t["outcome"] in ("failed", "error"):
+                m["ranks"].append(data["rank"])
+            if SEVERITY[t["outcome"]] > SEVERITY[m["outcome"]]:
+                m.update(outcome=t["outcome"], message=t["message"])
+            m["duration_s"] = max(m["duration_s"], t["duration_s"])
+        ranks.append({"rank": data["rank"], "exitstatus": data["exitstatus"], "counts": counts})
+    return merged, ranks
+
+
+def execute(run: Run, nproc: int, root: Path) -> RunResult:
+    """Run ``run`` (at ``nproc`` ranks for torchrun) under ``root``; kill the whole
+    process group after ``run.timeout_s``."""
+    result = RunResult(run.mode, nproc, run.tests, status="failed")
+    cmd = pytest_command(run, nproc, root)
+    result.command = shlex.join(cmd)
+    with tempfile.TemporaryDirectory(prefix="gates-") as result_dir:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=root, env=_child_env(result_dir), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=run.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            result.reason = f"timeout after {run.timeout_s:g} s"
+        result.duration_s = round(time.monotonic() - start, 2)
+        result.returncode = proc.returncode
+        result.output_tail = output[-OUTPUT_TAIL_CHARS:]
+        rank_files = [json.loads(p.read_text()) for p in Path(result_dir).glob("rank*.json")]
+    merged, result.ranks = _merge_ranks(rank_files)
+    for t in merged.values():
+        result.counts[COUNT_KEY[t["outcome"]]] += 1
+    result.failing = [{"nodeid": t["nodeid"], "outcome": t["outcome"], "ranks": t["ranks"],
+                       "message": t["message"]}
+                      for t in merged.values() if t["outcome"] in ("failed", "error")]
+    result.status, reason = _judge(result, expected_ranks=nproc)
+    result.reason = result.reason or reason
+    return result
+
+
+def _judge(r: RunResult, expected_ranks: int) -> tuple[str, str]:
+    if r.reason:  # timeout
+        return "failed", r.reason
+    if r.failing:
+        return "failed", f"{len(r.failing)} failing test(s)"
+    if len(r.ranks) < expected_ranks:
+        seen = sorted(x["rank"] for x in r.ranks)
+        return "failed", f"only ranks {seen} of {expected_ranks} reported results (exit code {r.returncode})"
+    if r.returncode == PYTEST_NO_TESTS or r.counts["passed"] == 0:
+        total = sum(r.counts.values())
+        return "empty", "no tests collected" if total == 0 else f"no test ran (all {total} skipped)"
+    if r.returncode != 0:
+        return "failed", f"exit code {r.returncode}"
+    return "passed", ""

@@ -1,0 +1,100 @@
+"""The phase tree: discovery of ``phases/NN_name`` directories, selection,
+dependency order, and which declared test targets exist yet."""
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gates.schema import Gate, GateError, load_gate
+
+PHASE_DIR = re.compile(r"^(\d\d)_\w+$")
+
+
+@dataclass(frozen=True)
+class Phase:
+    id: str
+    path: Path   # the phase directory
+    rel: str     # its path relative to the root, e.g. phases/05_attention_kv_cache
+
+    @property
+    def gate_path(self) -> Path:
+        return self.path / "gate.yaml"
+
+    def load_gate(self) -> Gate:
+        return load_gate(self.gate_path, self.id, where=f"{self.rel}/gate.yaml")
+
+
+def discover(root: Path) -> list[Phase]:
+    """Every ``root/phases/NN_name`` directory, by id; two directories with one id is an error."""
+    base = root / "phases"
+    if not base.is_dir():
+        raise GateError(f"{base}: no phases directory")
+    phases: dict[str, Phase] = {}
+    for d in sorted(p for p in base.iterdir() if p.is_dir()):
+        m = PHASE_DIR.match(d.name)
+        if not m:
+            continue
+        if m.group(1) in phases:
+            raise GateError(f"phases/{d.name}: id {m.group(1)} is also used by {phases[m.group(1)].rel}")
+        phases[m.group(1)] = Phase(m.group(1), d, f"phases/{d.name}")
+    return list(phases.values())
+
+
+def select(ids: list[str], upto: str | None = None, only: list[str] | None = None,
+           start: str | None = None) -> list[str]:
+    """Ids chosen by ``--only`` (exactly those), else ``--from`` (id >= start) and
+    ``--upto`` (id <= upto). Unknown ``--only`` ids are an error."""
+    if only is not None:
+        unknown = sorted(set(only) - set(ids))
+        if unknown:
+            raise GateError(f"--only: unknown phase id(s) {', '.join(unknown)} (known: {', '.join(ids)})")
+        return [i for i in ids if i in only]
+    return [i for i in ids
+            if (upto is None or int(i) <= int(upto)) and (start is None or int(i) >= int(start))]
+
+
+def topological_order(deps: dict[str, tuple[str, ...]]) -> list[str]:
+    """Order the keys of ``deps`` (id -> dependency ids) so every dependency comes
+    first; ties by id. Dependencies that are not keys are ignored. A cycle is a
+    GateError naming it."""
+    pending = {i: {d for d in ds if d in deps} for i, ds in deps.items()}
+    ready = [i for i, ds in pending.items() if not ds]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j, ds in pending.items():
+            if i in ds:
+                ds.remove(i)
+                if not ds:
+                    heapq.heappush(ready, j)
+    if len(order) < len(deps):
+        raise GateError(f"dependency cycle: {' -> '.join(_find_cycle(pending))}")
+    return order
+
+
+def _find_cycle(pending: dict[str, set[str]]) -> list[str]:
+    """One cycle among the ids that still have unmet dependencies."""
+    node = min(i for i, ds in pending.items() if ds)
+    path: list[str] = []
+    while node not in path:
+        path.append(node)
+        node = min(pending[node])
+    return path[path.index(node):] + [node]
+
+
+def has_tests(root: Path, target: str) -> bool:
+    """True if the test target (path or node id, relative to ``root``) names an
+    existing test file or a directory holding one."""
+    path = root / target.split("::")[0]
+    if path.is_file():
+        return True
+    return path.is_dir() and any(path.rglob("test_*.py"))
+
+
+def test_files(phase: Phase) -> list[Path]:
+    """The test files in the phase directory."""
+    return sorted(phase.path.rglob("test_*.py"))
