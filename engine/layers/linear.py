@@ -1,0 +1,155 @@
+"""Tensor-parallel linear layers and their weight loaders.
+
+Column layers split the output dim across ranks, row layers the input dim (and
+sum the partial products with one all-reduce). Parameters are created with the
+current default dtype and device. Every parameter carries
+``param.weight_loader(param, loaded, shard_id=None)``: a tensor of the local
+shard's shape is copied as is, a full tensor is sliced for this rank, anything
+else is a ValueError naming both shapes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import TPGroup, all_gather_last_dim, all_reduce_sum, get_tp_group
+
+WeightLoader = Callable[..., None]  # (param, loaded, shard_id=None) -> None
+
+
+def new_parameter(*shape: int, weight_loader: WeightLoader) -> nn.Parameter:
+    """An uninitialised, frozen parameter of the default dtype/device with its loader attached."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = weight_loader
+    return param
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator // denominator``, or a ValueError saying ``what`` does not split evenly."""
+    if numerator % denominator:
+        raise ValueError(f"{what} = {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def load_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, index: int, count: int) -> None:
+    """Copy into ``dst`` (in place) either ``loaded`` itself, when it already has ``dst``'s
+    shape (pre-sliced), or chunk ``index`` of ``count`` equal chunks of ``loaded`` along ``dim``
+    (full tensor). Any other shape is a ValueError naming both shapes."""
+    full_shape = list(dst.shape)
+    full_shape[dim] *= count
+    if loaded.shape == dst.shape:
+        dst.copy_(loaded)
+    elif list(loaded.shape) == full_shape:
+        dst.copy_(loaded.narrow(dim, index * dst.shape[dim], dst.shape[dim]))
+    else:
+        raise ValueError(
+            f"cannot load a tensor of shape {tuple(loaded.shape)} into a shard of shape "
+            f"{tuple(dst.shape)} (expected that shape or the full shape {tuple(full_shape)})")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split by output rows: ``[..., in] -> [..., out / tp]``,
+    or ``[..., out]`` when ``gather_output`` (rank order)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 gather_output: bool = False, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp or get_tp_group()
+        self.gather_output = gather_output
+        out_local = divide(out_features, self.tp.size, "out_features")
+        self.weight = new_parameter(out_local, in_features, weight_loader=self.weight_loader)
+        self.bias = new_parameter(out_local, weight_loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        load_shard(param.data, loaded, 0, self.tp.rank, self.tp.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather_last_dim(y) if self.gather_output and self.tp.size > 1 else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one GEMM (e.g. gate and up):
+    ``[..., in] -> [..., sum(out_sizes) / tp]``, laid out shard 0 | shard 1 | ... per rank.
+    Loaded per shard: ``weight_loader(param, loaded, shard_id=i)``."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TPGroup | None = None):
+        tp = tp or get_tp_group()
+        self.local_sizes = [divide(n, tp.size, f"out_sizes[{i}]") for i, n in enumerate(out_sizes)]
+        super().__init__(in_features, sum(out_sizes), bias=bias, tp=tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
+            raise ValueError(f"shard_id must be one of 0..{len(self.local_sizes) - 1}, got {shard_id!r}")
+        offset = sum(self.local_sizes[:shard_id])
+        dst = param.data.narrow(0, offset, self.local_sizes[shard_id])
+        load_shard(dst, loaded, 0, self.tp.rank, self.tp.size)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one GEMM: ``[..., hidden] -> [..., q_size + 2 * kv_size]``
+    laid out Q | K | V; split the output with ``q_size`` / ``kv_size``.
+
+    Each rank holds ``num_heads = total_num_heads / tp`` query heads and
+    ``num_kv_heads = max(1, total_num_kv_heads / tp)`` KV heads; when tp exceeds the
+    KV heads, rank r holds (a replica of) KV head ``r * total_num_kv_heads // tp``.
+    Loaded per shard: ``weight_loader(param, loaded, shard_id="q" | "k" | "v")``.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup | None = None):
+        tp = tp or get_tp_group()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp.size, "total_num_heads")
+        if tp.size >= total_num_kv_heads:
+            divide(tp.size, total_num_kv_heads, "tp size (more ranks than KV heads)")
+            self.num_kv_heads = 1
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp.size, "total_num_kv_heads")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.kv_head_start = tp.rank * total_num_kv_heads // tp.size
+        self.kv_shard_count = total_num_kv_heads // self.num_kv_heads
+        local_out = self.q_size + 2 * self.kv_size
+        super().__init__(hidden_size, local_out * tp.size, bias=bias, tp=tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if shard_id == "q":
+            dst = param.data.narrow(0, 0, self.q_size)
+            load_shard(dst, loaded, 0, self.tp.rank, self.tp.size)
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            dst = param.data.narrow(0, offset, self.kv_size)
+            load_shard(dst, loaded, 0, self.kv_head_start // self.num_kv_heads, self.kv_shard_count)
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split by input columns: ``[..., in / tp] -> [..., out]``.
+
+    For tp > 1 the partial products are summed by one ``all_reduce_sum`` and the
+    (replicated) bias is added once, after it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp or get_tp_group()
+        in_local = divide(in_features, self.tp.size, "in_features")
+        self.weight = new_parameter(out_features, in_local, weight_loader=self.weight_loader)
+        self.bias = new_parameter(out_features, weight_loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if param is self.bias:
+            load_shard(param.data, loaded, 0, 0, 1)
+        else:
+            load_shard(param.data, loaded, 1, self.tp.rank, self.tp.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce_sum(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
