@@ -1,0 +1,167 @@
+"""Numeric primitives behind one interface (blueprint/contracts.md, phase 01).
+
+Every op picks its backend from its first tensor's device: CPU tensors use the
+torch reference (``reference.py``); CUDA tensors use ``vllm`` when both
+``vllm._custom_ops`` and ``flash_attn`` import, else ``triton``.
+``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend; forcing one
+that cannot run here is an error. Each backend module is the dispatch table:
+it defines the same seven functions. The wrappers below check shapes only
+(never tensor values), so they add no host sync.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from engine.kernels.rope import get_cos_sin_cache
+
+__all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+           "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention"]
+
+ENV_VAR = "AGENT_INFER_KERNELS"
+_MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
+            "vllm": "engine.kernels.vllm_backend"}
+
+
+def _unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run CUDA tensors here, or None if it can."""
+    if name == "torch":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        importlib.import_module("triton")
+        if name == "vllm":
+            importlib.import_module("vllm._custom_ops")
+            importlib.import_module("flash_attn")
+    except Exception as exc:  # a broken install fails in many ways; any of them means "not here"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.cache
+def _select(device_type: str, forced: str | None) -> str:
+    if forced is not None and forced not in _MODULES:
+        raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(_MODULES)}")
+    if device_type == "cpu":
+        return "torch"
+    if device_type != "cuda":
+        raise ValueError(f"no kernel backend for device type {device_type!r}")
+    if forced is not None:
+        reason = _unavailable_reason(forced)
+        if reason is not None:
+            raise RuntimeError(f"{ENV_VAR}={forced} but that backend cannot run here ({reason})")
+        return forced
+    return next(name for name in ("vllm", "triton", "torch") if _unavailable_reason(name) is None)
+
+
+def backend(device: torch.device | str = "cuda") -> str:
+    """Name of the backend that runs ops on ``device``: "torch", "triton" or "vllm"."""
+    return _select(torch.device(device).type, os.environ.get(ENV_VAR) or None)
+
+
+@functools.cache
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(_MODULES[name])
+
+
+def _ops(tensor: torch.Tensor) -> ModuleType:
+    return _module(_select(tensor.device.type, os.environ.get(ENV_VAR) or None))
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``out = input * rsqrt(mean(input**2, -1) + eps) * weight`` in float32, written into ``out``
+    (same shape as ``input``: [..., H]; ``weight`` [H])."""
+    _require(out.shape == input.shape, f"rms_norm: out {tuple(out.shape)} != input {tuple(input.shape)}")
+    _require(weight.shape == input.shape[-1:], f"rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
+    _ops(input).rms_norm(out, input, weight, eps)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += input``, then ``input = rms_norm(residual) * weight``."""
+    _require(residual.shape == input.shape,
+             f"fused_add_rms_norm: residual {tuple(residual.shape)} != input {tuple(input.shape)}")
+    _require(weight.shape == input.shape[-1:],
+             f"fused_add_rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
+    _ops(input).fused_add_rms_norm(input, residual, weight, eps)
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """``out [..., d] = silu(input[..., :d]) * input[..., d:]`` for ``input [..., 2d]``."""
+    _require(input.shape[-1] % 2 == 0 and out.shape == (*input.shape[:-1], input.shape[-1] // 2),
+             f"silu_and_mul: input {tuple(input.shape)} needs an even last dim and out [..., half] "
+             f"(got out {tuple(out.shape)})")
+    _ops(input).silu_and_mul(out, input)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` (or ``[T, H * D]``; key may be None) in place.
+
+    ``positions [T]`` index rows of ``cos_sin_cache [max_pos, rotary_dim]`` (cos half | sin
+    half); the first ``rotary_dim`` channels of each head rotate, the rest pass through.
+    ``is_neox``: pairs are (i, i + rotary_dim/2) (Qwen); else (2i, 2i + 1) (GPT-J, DeepSeek).
+    """
+    rotary_dim = cos_sin_cache.shape[1]
+    _require(rotary_dim % 2 == 0 and rotary_dim <= head_size,
+             f"rotary_embedding: rotary dim {rotary_dim} must be even and <= head_size {head_size}")
+    for name, x in (("query", query), ("key", key)):
+        _require(x is None or (x.shape[0] == positions.shape[0] and x.shape[-1] % head_size == 0),
+                 f"rotary_embedding: {name} {tuple(x.shape) if x is not None else None} does not match "
+                 f"{positions.shape[0]} positions and head_size {head_size}")
+    _ops(query).rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    """Write row ``i`` of ``key [T, Hk, D]`` / ``value [T, Hk, Dv]`` to flat slot ``slot_mapping[i]``
+    (int64; slot = block * block_size + offset) of ``k_cache [num_blocks, block_size, Hk, D]`` /
+    ``v_cache``; slot -1 is skipped. ``value`` and ``v_cache`` are both None for MLA's single cache."""
+    _require((value is None) == (v_cache is None), "store_kv_cache: value and v_cache must both be given or both None")
+    _require(key.shape[0] == slot_mapping.shape[0],
+             f"store_kv_cache: {key.shape[0]} key rows but {slot_mapping.shape[0]} slots")
+    _ops(key).store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                     causal: bool = True) -> torch.Tensor:
+    """Ragged prefill attention; returns a new ``[Tq, Hq, Dv]`` tensor.
+
+    ``q [Tq, Hq, D]``, ``k [Tk, Hk, D]``, ``v [Tk, Hk, Dv]``; ``cu_seqlens_*`` int32 ``[B + 1]``.
+    Hq must be a multiple of Hk (GQA). Causal is bottom-right aligned: query i of a sequence
+    with Lq queries and Lk >= Lq keys sees keys ``0 .. Lk - Lq + i`` (a cached prefix works).
+    """
+    _require(q.dim() == k.dim() == v.dim() == 3 and q.shape[2] == k.shape[2] and k.shape[:2] == v.shape[:2]
+             and q.shape[1] % k.shape[1] == 0,
+             f"varlen_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return _ops(q).varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale, causal)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
+                           v_head_dim: int | None = None) -> torch.Tensor:
+    """One query token per sequence against its paged cache; returns a new ``[B, Hq, Dv]`` tensor.
+
+    ``q [B, Hq, D]``; caches ``[num_blocks, block_size, Hk, D]`` (``v_cache`` ``Dv``);
+    ``block_tables [B, max_blocks]`` int32 (entries past a sequence's context are never read);
+    ``context_lens [B]`` int32, each >= 1. ``v_cache=None`` means V is the first ``v_head_dim``
+    channels of ``k_cache`` (MLA: one 512 + 64 latent head, V = first 512).
+    """
+    _require(q.dim() == 3 and k_cache.dim() == 4 and q.shape[2] == k_cache.shape[3]
+             and q.shape[1] % k_cache.shape[2] == 0,
+             f"paged_decode_attention: bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    _require(v_cache is not None or (v_head_dim is not None and v_head_dim <= k_cache.shape[3]),
+             "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
+    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
+                                          v_head_dim)

@@ -1,0 +1,131 @@
+"""Paged decode attention: split-K flash-decoding in two launches.
+
+Stage 1: program (sequence, KV head x query-head block, split) scores a slice
+of the context against every query head of that KV head at once (the head
+group is padded to >= 16 rows for tl.dot) and writes a normalised partial
+output and its log-sum-exp. Stage 2 merges the splits. The number of splits
+comes from host ints only (batch, heads, block-table width, SM count), never
+from ``context_lens``, so the launch is CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                         num_heads, group, head_blocks, split_tokens, q_stride0, q_stride1,
+                         k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2, table_stride,
+                         HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1) // head_blocks
+    num_splits = tl.num_programs(2)
+    split = tl.program_id(2)
+    g = (tl.program_id(1) % head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = g < group
+    heads = kv_head * group + g
+    q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+
+    context = tl.load(lens_ptr + seq)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, context)
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        blocks = tl.load(tables_ptr + seq * table_stride + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+        k_rows = blocks * k_stride0 + (tokens % PAGE) * k_stride1 + kv_head * k_stride2
+        scores, k_main = scores_tile(q_main, q_tail, k_ptr, k_rows, valid, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+        if V_IS_K_MAIN:
+            v = k_main
+        else:
+            v_rows = blocks * v_stride0 + (tokens % PAGE) * v_stride1 + kv_head * v_stride2
+            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :], other=0.0)
+        m, l, acc = online_softmax_step(scores, valid[None, :], m, l, acc, v, scale_log2)
+
+    has_tokens = l > 0
+    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
+    part = acc / tl.where(has_tokens, l, 1.0)[:, None]
+    rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
+    tl.store(part_lse_ptr + rows, lse, mask=g_mask)
+    tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part, mask=g_mask[:, None] & (dv < V_DIM)[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, out_stride0, out_stride1,
+                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.full([1], NEG_BIG, tl.float32)
+    weight_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(part_lse_ptr + row * num_splits + split + tl.zeros([1], tl.int32))
+        part = tl.load(part_out_ptr + (row * num_splits + split) * V_DIM + dv, mask=dv < V_DIM, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        acc = acc * alpha + w * part
+        weight_sum = weight_sum * alpha + w
+        m = m_new
+    tl.store(out_ptr + seq * out_stride0 + head * out_stride1 + dv, (acc / weight_sum).to(out_ptr.dtype.element_ty),
+             mask=dv < V_DIM)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
+                           v_head_dim: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
+    SM count) sets how many slices of the block-table capacity run in parallel per sequence."""
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    v_dim = v_head_dim if v_cache is None else v_cache.shape[3]
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or (v_cache is not None and v_cache.stride(-1) != 1):
+        raise ValueError("paged_decode_attention: q and caches need a contiguous last dim")
+    values = k_cache if v_cache is None else v_cache
+    group = num_heads // num_kv_heads
+    block_d, block_tail = head_dim_blocks(head_dim)
+    block_dv = max(16, triton.next_power_of_2(v_dim))
+    wide = block_d + block_tail + block_dv > 512
+    block_g = min(max(16, triton.next_power_of_2(group)), 16 if wide else 64)
+    block_n = 32 if wide else 64
+    head_blocks = triton.cdiv(group, block_g)
+    capacity = block_tables.shape[1] * page
+    if num_splits is None:
+        programs = batch * num_kv_heads * head_blocks
+        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), triton.cdiv(capacity, 2 * block_n)))
+    split_tokens = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(capacity, split_tokens)
+
+    part_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
+        q, k_cache, values, block_tables, context_lens, part_out, part_lse, softmax_scale * _LOG2E,
+        num_heads, group, head_blocks, split_tokens, q.stride(0), q.stride(1), *k_cache.stride()[:3], *values.stride()[:3],
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
+        num_warps=4, num_stages=2)
+    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+                                             V_DIM=v_dim, BLOCK_DV=block_dv)
+    return out

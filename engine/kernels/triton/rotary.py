@@ -1,0 +1,62 @@
+"""Rotary embedding kernel: query and key rotated in place in one launch."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin, first, second, pair_mask):
+    base = token * stride0 + heads[:, None] * stride1
+    mask = (heads < num_heads)[:, None] & pair_mask[None, :]
+    x1 = tl.load(x_ptr + base + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + base + first[None, :], (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + base + second[None, :], (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, num_q_heads, num_k_heads, q_head_blocks,
+                   q_stride0, q_stride1, k_stride0, k_stride1, cache_stride,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                   IS_NEOX: tl.constexpr):
+    # Program (token, head block): head blocks [0, q_head_blocks) are query heads, the rest key heads.
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    pair = tl.arange(0, BLOCK_HALF)
+    pair_mask = pair < HALF
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cache_ptr + position * cache_stride + pair, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + position * cache_stride + HALF + pair, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
+    if IS_NEOX:
+        first, second = pair, pair + HALF
+    else:
+        first, second = 2 * pair, 2 * pair + 1
+    if head_block < q_head_blocks:
+        heads = head_block * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+        _rotate_heads(q_ptr, token, heads, num_q_heads, q_stride0, q_stride1, cos, sin, first, second, pair_mask)
+    else:
+        heads = (head_block - q_head_blocks) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+        _rotate_heads(k_ptr, token, heads, num_k_heads, k_stride0, k_stride1, cos, sin, first, second, pair_mask)
+
+
+def _heads_view(x: torch.Tensor, head_size: int) -> torch.Tensor:
+    view = x.view(x.shape[0], -1, head_size)
+    if view.stride(-1) != 1:
+        raise ValueError("rotary_embedding: query/key need a contiguous last dim")
+    return view
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    q = _heads_view(query, head_size)
+    k = _heads_view(key, head_size) if key is not None else q[:, :0]
+    half = cos_sin_cache.shape[1] // 2
+    block_heads = min(16, triton.next_power_of_2(max(q.shape[1], k.shape[1])))
+    q_head_blocks = triton.cdiv(q.shape[1], block_heads)
+    grid = (q.shape[0], q_head_blocks + triton.cdiv(k.shape[1], block_heads))
+    _rotary_kernel[grid](positions, q, k, cos_sin_cache, q.shape[1], k.shape[1], q_head_blocks,
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+                         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HEADS=block_heads,
+                         IS_NEOX=is_neox)
