@@ -80,7 +80,7 @@ def _child_env(result_dir: str) -> dict[str, str]:
     return env
 
 
-def _merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
+def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
     """Merge per-rank test lists: the worst outcome wins; remember failing ranks."""
     merged: dict[str, dict] = {}
     ranks = []
@@ -119,7 +119,7 @@ def execute(run: Run, nproc: int, root: Path) -> RunResult:
         result.returncode = proc.returncode
         result.output_tail = output[-OUTPUT_TAIL_CHARS:]
         rank_files = [json.loads(p.read_text()) for p in Path(result_dir).glob("rank*.json")]
-    merged, result.ranks = _merge_ranks(rank_files)
+    merged, result.ranks = merge_ranks(rank_files)
     for t in merged.values():
         result.counts[COUNT_KEY[t["outcome"]]] += 1
     result.failing = [{"nodeid": t["nodeid"], "outcome": t["outcome"], "ranks": t["ranks"],

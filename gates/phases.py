@@ -72,7 +72,7 @@ def topological_order(deps: dict[str, tuple[str, ...]]) -> list[str]:
                 if not ds:
                     heapq.heappush(ready, j)
     if len(order) < len(deps):
-        raise GateError(f"dependency cycle: {' -> '.join(_find_cycle(pending))}")
+        raise GateError(f"dependency cycle (a -> b: a depends on b): {' -> '.join(_find_cycle(pending))}")
     return order
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 FAILING_SHOWN = 20
 TAIL_LINES = 25
+MESSAGE_LINES = 3
 
 
 def _say(text: str = "") -> None:
@@ -50,9 +51,10 @@ def phase_finished(res) -> None:
     failing = [(r, t) for r in res.runs for t in r.failing]
     for r, t in failing[:FAILING_SHOWN]:
         ranks = f" (rank {', '.join(map(str, t['ranks']))})" if r.mode == "torchrun" else ""
-        _say(f"   FAILED {t['nodeid']}{ranks} [{r.label}]")
+        _say(f"   {t['outcome'].upper()} {t['nodeid']}{ranks} [{r.label}]")
         if t["message"]:
-            _say(textwrap.indent(t["message"].strip().splitlines()[-1][:300], "          "))
+            lines = t["message"].strip().splitlines()[:MESSAGE_LINES]
+            _say(textwrap.indent("\n".join(line[:200] for line in lines), "          "))
     if len(failing) > FAILING_SHOWN:
         _say(f"   ... and {len(failing) - FAILING_SHOWN} more (see the JSON report)")
     if not failing:

@@ -1,0 +1,253 @@
+"""End-to-end behaviour of ``python -m gates`` on temporary phase trees.
+
+One module-scoped tree is run three times (full run, a --keep-going/--skip-empty
+selection, a passing selection); the tests read the console output, the JSON
+report and files the fake tests wrote, so every phase run is a real subprocess.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from gates.cli import main
+from gates.execute import merge_ranks
+from gate_trees import gate, write_phase
+
+LOG_ORDER = """\
+from pathlib import Path
+
+
+def log(name):
+    with open(Path(__file__).parents[2] / "order.log", "a") as f:
+        f.write(name + "\\n")
+"""
+
+
+def passing_test(name: str) -> dict[str, str]:
+    return {"test_ok.py": LOG_ORDER + f"\n\ndef test_ok():\n    log({name!r})\n"}
+
+
+TORCHRUN_ALL_REDUCE = LOG_ORDER + """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.torchrun
+def test_gloo_all_reduce_in_every_rank():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    log(f"07-rank{rank}")
+    assert world == 2 and t.item() == world * (world + 1) / 2
+"""
+
+BETA = """
+def test_beta_passes():
+    pass
+
+
+def test_beta_fails():
+    assert 1 == 2, "beta is broken"
+"""
+
+SLEEPS = """
+import os
+import time
+from pathlib import Path
+
+
+def test_sleeps_past_the_timeout():
+    (Path(__file__).parent / "pid").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def fm(fid: str, test: str) -> dict:
+    return {"id": fid, "symptom": f"symptom of {fid}", "check": f"check of {fid}",
+            "fix": f"fix of {fid}", "tests": [test]}
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """01 depends on 04 (so dependency order differs from id order); 02 fails;
+    03 depends on 02; 05 has no tests; 06 needs cuda; 07 is a torchrun all-reduce;
+    08 times out."""
+    root = tmp_path_factory.mktemp("tree")
+    write_phase(root, "01", gate("01", ["04"]), passing_test("01"))
+    write_phase(root, "02", gate("02", ["01"], failure_modes=[fm("FM-900", "test_beta_fails"),
+                                                             fm("FM-901", "test_never_written")]),
+                {"test_beta.py": BETA})
+    write_phase(root, "03", gate("03", ["02"]), passing_test("03"))
+    write_phase(root, "04", gate("04", eager_gate=[
+        {"rule": "exists", "test": "phases/04_p/test_ok.py::test_ok"},
+        {"rule": "not yet", "test": "phases/04_p/test_later.py::test_later"}]), passing_test("04"))
+    write_phase(root, "05", gate("05"))
+    write_phase(root, "06", gate("06", runs=[{"mode": "single", "requires": ["cuda"],
+                                              "tests": ["phases/06_p"]}]), passing_test("06"))
+    write_phase(root, "07", gate("07", ["04"], runs=[{"mode": "torchrun", "nproc": [2],
+                                                     "tests": ["phases/07_p"]}]),
+                {"test_tp.py": TORCHRUN_ALL_REDUCE})
+    write_phase(root, "08", gate("08", runs=[{"mode": "single", "timeout_s": 6, "tests": ["phases/08_p"]}]),
+                {"test_slow.py": SLEEPS})
+    return root
+
+
+@pytest.fixture(scope="module")
+def full(tree):
+    """The full run of the tree, without --keep-going."""
+    return run_cli(tree)
+
+
+def run_cli(tree, *args):
+    """``python -m gates --root tree run ...`` in-process; returns (exit code, stdout, report)."""
+    buf = io.StringIO()
+    report = tree / f"report-{len(list(tree.glob('report-*.json')))}.json"
+    with contextlib.redirect_stdout(buf):
+        code = main(["--root", str(tree), "run", "--report", str(report), *args])
+    return code, buf.getvalue(), json.loads(report.read_text())
+
+
+def by_id(report):
+    return {p["id"]: p for p in report["phases"]}
+
+
+def test_phases_run_in_dependency_order(full, tree):
+    _, _, report = full
+    assert [p["id"] for p in report["phases"]] == ["04", "01", "02", "03", "05", "06", "07", "08"]
+    executed = (tree / "order.log").read_text().split()
+    assert executed[:2] == ["04", "01"]
+    assert sorted(executed[2:]) == ["07-rank0", "07-rank1"]
+
+
+def test_failure_blocks_dependents_but_independent_phases_run(full, tree):
+    _, _, report = full
+    phases = by_id(report)
+    assert phases["02"]["status"] == "FAIL"
+    assert phases["03"]["status"] == "BLOCKED" and "02 FAIL" in phases["03"]["reason"]
+    assert phases["03"]["runs"] == [] and "03" not in (tree / "order.log").read_text().split()
+    assert phases["04"]["status"] == "PASS" and phases["07"]["status"] == "PASS"
+
+
+def test_phase_without_tests_fails(full):
+    phase = by_id(full[2])["05"]
+    assert phase["status"] == "FAIL" and "no tests" in phase["reason"]
+
+
+def test_missing_requirement_skips_with_the_reason(full):
+    phase = by_id(full[2])["06"]
+    if torch.cuda.is_available():
+        assert phase["status"] == "PASS"
+    else:
+        assert phase["status"] == "SKIP" and "requires cuda" in phase["reason"]
+        assert phase["runs"][0]["status"] == "skipped" and phase["runs"][0]["command"] == ""
+
+
+def test_torchrun_runs_a_gloo_all_reduce_in_every_rank(full):
+    run = by_id(full[2])["07"]["runs"][0]
+    assert run["mode"] == "torchrun" and run["nproc"] == 2 and run["status"] == "passed"
+    assert "--standalone --nproc_per_node 2" in run["command"] and "--master_port" not in run["command"]
+    assert [(r["rank"], r["counts"]["passed"]) for r in run["ranks"]] == [(0, 1), (1, 1)]
+
+
+def test_a_test_failing_in_any_rank_fails_the_merged_result():
+    def rank(r, outcome):
+        return {"rank": r, "exitstatus": 0, "tests": [
+            {"nodeid": "t.py::a", "outcome": "passed", "duration_s": 0.1, "message": ""},
+            {"nodeid": "t.py::b", "outcome": outcome, "duration_s": 0.2, "message": f"rank {r}"}]}
+
+    merged, ranks = merge_ranks([rank(1, "failed"), rank(0, "passed")])
+    assert merged["t.py::a"]["outcome"] == "passed"
+    assert merged["t.py::b"]["outcome"] == "failed" and merged["t.py::b"]["ranks"] == [1]
+    assert merged["t.py::b"]["message"] == "rank 1"
+    assert [(r["rank"], r["counts"]["failed"]) for r in ranks] == [(0, 0), (1, 1)]
+
+
+def test_timeout_kills_the_run_and_fails_the_phase(full, tree):
+    phase = by_id(full[2])["08"]
+    assert phase["status"] == "FAIL" and "timeout after 6 s" in phase["reason"]
+    pid = int((tree / "phases/08_p/pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_failing_tests_and_matching_failure_modes_are_printed(full):
+    _, out, report = full
+    assert "FAILED phases/02_p/test_beta.py::test_beta_fails" in out
+    assert "beta is broken" in out
+    assert "FM-900" in out and "symptom of FM-900" in out and "check of FM-900" in out and "fix of FM-900" in out
+    assert "FM-901" not in out
+    assert by_id(report)["02"]["failure_modes"] == ["FM-900"]
+    assert by_id(report)["02"]["failing_tests"] == ["phases/02_p/test_beta.py::test_beta_fails"]
+
+
+def test_summary_table_lists_every_phase(full):
+    table = full[1].split("\nphase ")[-1].splitlines()[1:]
+    assert [line.split()[:2] for line in table[:8]] == [
+        ["04", "PASS"], ["01", "PASS"], ["02", "FAIL"], ["03", "BLOCKED"], ["05", "FAIL"],
+        ["06", "PASS" if torch.cuda.is_available() else "SKIP"], ["07", "PASS"], ["08", "FAIL"]]
+
+
+def test_json_report_has_the_documented_fields(full):
+    code, _, report = full
+    assert report["exit_code"] == code == 1
+    assert set(report["machine"]) >= {"python", "torch", "device", "gpu", "hostname", "timestamp"}
+    assert report["machine"]["torch"] == torch.__version__
+    beta = by_id(report)["02"]
+    assert set(beta) >= {"id", "status", "reason", "runs", "counts", "duration_s", "failing_tests"}
+    assert beta["counts"] == {"passed": 1, "failed": 1, "skipped": 0, "errors": 0}
+    run = beta["runs"][0]
+    assert set(run) >= {"mode", "nproc", "command", "returncode", "counts", "duration_s", "failing"}
+    assert run["returncode"] == 1 and run["duration_s"] > 0 and "-m 'not torchrun'" in run["command"]
+
+
+def test_keep_going_and_skip_empty(tree):
+    code, out, report = run_cli(tree, "--only", "02,03,05", "--keep-going", "--skip-empty")
+    phases = by_id(report)
+    assert code == 1 and list(phases) == ["02", "03", "05"]
+    assert phases["02"]["status"] == "FAIL"
+    assert phases["03"]["status"] == "PASS" and "ran although dependency 02 FAIL" in phases["03"]["reason"]
+    assert phases["05"]["status"] == "SKIP" and "no test files yet" in phases["05"]["reason"]
+    assert "02 depends on 01, outside the selection: not enforced" in out
+
+
+def test_exit_code_zero_when_everything_passes_or_skips(tree):
+    code, _, report = run_cli(tree, "--only", "04,05,06,07", "--mode", "single", "--skip-empty")
+    statuses = {p["id"]: p["status"] for p in report["phases"]}
+    assert code == 0
+    assert statuses["04"] == "PASS" and statuses["05"] == "SKIP"
+    assert statuses["07"] == "SKIP" and by_id(report)["07"]["reason"] == "no single runs"
+
+
+def test_list_and_show(tree, capsys):
+    assert main(["--root", str(tree), "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines][:2] == ["04", "01"]
+    assert "no tests yet" in next(line for line in lines if line.startswith("05"))
+    assert main(["--root", str(tree), "show", "04"]) == 0
+    out = capsys.readouterr().out
+    assert "phases/04_p/test_ok.py::test_ok\n" in out
+    assert "phases/04_p/test_later.py::test_later  [test file missing]" in out
+
+
+def test_bad_trees_are_clear_errors_with_exit_code_2(tmp_path, capsys):
+    write_phase(tmp_path, "01", gate("01", ["02"]), passing_test("01"))
+    write_phase(tmp_path, "02", gate("02", ["01"]), passing_test("02"))
+    assert main(["--root", str(tmp_path), "run"]) == 2
+    assert "dependency cycle (a -> b: a depends on b): 01 -> 02 -> 01" in capsys.readouterr().err
+    write_phase(tmp_path, "02", gate("02", ["42"]))
+    assert main(["--root", str(tmp_path), "run"]) == 2
+    assert "phases/02_p/gate.yaml: depends_on: unknown phase 42" in capsys.readouterr().err
+    write_phase(tmp_path, "03", None)
+    assert main(["--root", str(tmp_path), "run", "--only", "03"]) == 2
+    assert "phases/03_p/gate.yaml: missing" in capsys.readouterr().err
+    assert main(["--root", str(tmp_path), "list"]) == 0
+    assert "gate.yaml missing" in capsys.readouterr().out
+    assert not (tmp_path / "order.log").exists()
