@@ -1,0 +1,92 @@
+"""Logits -> next token ids: greedy, temperature, top-k, top-p, per-request seeds.
+
+Static shapes and no host sync (no ``.item()``, no branch on tensor values), so
+the sampler can sit inside a captured CUDA graph. Randomness is a counter-based
+hash of (seed, step, token id) computed with tensor ops, so a request's tokens
+depend only on its own logits, seed and step, never on the rest of the batch.
+Under TP only rank 0 samples; the other ranks receive its ids by broadcast.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import TPGroup, broadcast_tensor, get_tp_group
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32); 16-bit halves keep products below 2**63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2**32) with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Float32 ``[B, V]`` in the open interval (0, 1), a pure function of (seed, step, token id).
+
+    seeds, steps: int64 ``[B]`` (seeds in [0, 2**63)).
+    """
+    key = _mix32(_mix32(seeds >> 32) ^ (seeds & _MASK32))
+    key = _mix32(key ^ (steps & _MASK32))
+    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(token ^ key[:, None]) ^ key[:, None])
+    return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+
+
+class Sampler(nn.Module):
+    """``forward(logits [B, V], temperatures [B] f32, top_ks [B] int, top_ps [B] f32,
+    seeds [B] int64, steps [B] int64) -> ids [B] int64`` (new tensor, inputs untouched).
+
+    Rows with temperature 0 take the exact argmax. Other rows divide by the
+    temperature, keep the ``top_k`` largest logits (0 or -1 = all), then the
+    smallest set of those whose probability mass reaches ``top_p`` (1.0 = all),
+    and draw from the renormalised distribution with the exponential race
+    ``argmax(p / E)``, ``E = -log(u)``, ``u = uniform_noise(seeds, steps)``.
+    ``steps`` is the request's output index, so a seed fixes the whole output.
+    """
+
+    def __init__(self, tp: TPGroup | None = None):
+        super().__init__()
+        self.tp = tp if tp is not None else get_tp_group()
+
+    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        for name, t in (("temperatures", temperatures), ("top_ks", top_ks), ("top_ps", top_ps),
+                        ("seeds", seeds), ("steps", steps)):
+            if t.shape != (batch,):
+                raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
+        if self.tp.size > 1 and self.tp.rank != 0:
+            ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        else:
+            ids = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, steps)
+        return broadcast_tensor(ids, src=0)
+
+    @staticmethod
+    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps) -> torch.Tensor:
+        vocab_size = logits.shape[1]
+        greedy = logits.argmax(dim=-1)
+        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab_size, device=logits.device)
+        k = torch.where(top_ks > 0, top_ks.clamp(max=vocab_size), vocab_size)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        exponential = -torch.log(uniform_noise(seeds, steps, vocab_size).gather(1, order))
+        choice = (probs / exponential).argmax(dim=-1, keepdim=True)
+        sampled = order.gather(1, choice).squeeze(1)
+        return torch.where(temperatures > 0, sampled, greedy)

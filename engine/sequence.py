@@ -1,0 +1,121 @@
+"""Requests as the scheduler sees them: sampling parameters, status, tokens, blocks.
+
+Pure Python (no torch): the model runner turns sequences into tensors on its
+own device, so nothing here can leak a host tensor into a device forward.
+"""
+from __future__ import annotations
+
+import enum
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+MAX_SEED = 2**63 - 1
+
+
+class SequenceStatus(enum.Enum):
+    """WAITING -> RUNNING_PREFILL -> RUNNING_DECODE -> FINISHED, or REJECTED at add time.
+    The scheduler assigns every transition explicitly."""
+
+    WAITING = "waiting"
+    RUNNING_PREFILL = "running_prefill"
+    RUNNING_DECODE = "running_decode"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request; invalid values raise ValueError naming the field.
+
+    temperature 0 is greedy; top_k 0 or -1 and top_p 1.0 turn those filters off;
+    stop strings are matched by the engine's detokenizer, stop_token_ids and EOS
+    (unless ignore_eos) by the scheduler; seed None means a random seed per request.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = (
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "must be an int >= -1 (0 or -1 = off)"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an int >= 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "must hold ints >= 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+             f"must be None or an int in [0, {MAX_SEED}]"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Sequence:
+    """One request: prompt and output token ids, status, and the KV blocks it owns.
+
+    ``block_table`` and ``num_cached_tokens`` belong to the BlockManager;
+    ``status``, ``finish_reason`` and ``reject_reason`` to the Scheduler.
+    ``seed`` is the request's sampling seed, drawn on the host when none is given.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, arrival_time: float | None = None):
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if not all(_is_int(t) and t >= 0 for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must hold ints >= 0")
+        self.request_id = request_id if request_id is not None else uuid.uuid4().hex
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        seed = self.sampling_params.seed
+        self.seed = seed if seed is not None else random.getrandbits(63)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.reject_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, blocks={self.block_table})")
