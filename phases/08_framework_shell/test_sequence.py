@@ -1,0 +1,55 @@
+"""SamplingParams validation, Sequence bookkeeping, and the shell staying pure Python."""
+import subprocess
+import sys
+
+import pytest
+
+from engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
+    ("max_tokens", 0), ("max_tokens", True), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
+    ("ignore_eos", 1), ("seed", -1), ("seed", 2**63), ("seed", 1.0),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_good_sampling_params_are_kept():
+    params = SamplingParams(temperature=0.0, top_p=0.5, top_k=-1, max_tokens=3, stop="end",
+                            stop_token_ids=[2, 7], ignore_eos=True, seed=2**63 - 1)
+    assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
+
+
+def test_sequence_bookkeeping():
+    seq = Sequence([5, 6, 7], SamplingParams(seed=9), request_id="a", arrival_time=1.5)
+    assert (seq.request_id, seq.arrival_time, seq.seed) == ("a", 1.5, 9)
+    assert seq.status is SequenceStatus.WAITING and seq.finish_reason is None and seq.reject_reason is None
+    assert seq.block_table == [] and seq.num_cached_tokens == 0
+    seq.output_token_ids += [8, 9]
+    assert seq.token_ids == [5, 6, 7, 8, 9] and seq.prompt_token_ids == [5, 6, 7]
+    assert (seq.num_tokens, seq.num_prompt_tokens, seq.num_output_tokens) == (5, 3, 2)
+
+
+def test_request_ids_and_seeds_are_drawn_per_request():
+    params = SamplingParams()
+    seqs = [Sequence([1], params) for _ in range(100)]
+    assert len({s.request_id for s in seqs}) == 100
+    assert len({s.seed for s in seqs}) == 100 and all(0 <= s.seed < 2**63 for s in seqs)
+    assert params.seed is None  # the shared params are never mutated
+
+
+@pytest.mark.parametrize("prompt", [[], [1, -2], [1, 2.0]])
+def test_bad_prompts_raise(prompt):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Sequence(prompt)
+
+
+def test_shell_is_pure_python():
+    """Sequence, BlockManager and Scheduler never build tensors, so they cannot hand a
+    host tensor to a device forward: the runner creates every step tensor on its device."""
+    code = ("import sys, engine.sequence, engine.block_manager, engine.scheduler; "
+            "assert 'torch' not in sys.modules, 'the shell imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
