@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,13 @@ TINY_CONFIGS: dict[str, dict] = {
 
 WORDS = ("the quick brown fox jumps over lazy dog a an of to in is it on and for with as "
          "that this by at from be are was were garden city river mountain light dark").split()
+
+
+def pytest_configure(config):
+    """Under torchrun every rank is a separate pytest: give each its own
+    temporary-directory root so ranks never share or clean up each other's."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not config.option.basetemp:
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"pytest-rank{os.environ.get('RANK', '0')}-")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,8 +121,21 @@ def make_tiny_checkpoint(path: Path, arch: str = "Qwen3ForCausalLM", seed: int =
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path_factory):
-    """Factory: ``tiny_checkpoint(arch="Qwen3ForCausalLM", seed=0, sharded=False, **overrides)``."""
+    """Factory: ``tiny_checkpoint(arch="Qwen3ForCausalLM", seed=0, sharded=False, **overrides)``.
+
+    Under torchrun (a process group initialised) rank 0 writes one checkpoint
+    and every rank gets its path after a barrier.
+    """
+    import torch.distributed as dist
+
     def make(arch: str = "Qwen3ForCausalLM", seed: int = 0, sharded: bool = False, **overrides):
-        path = tmp_path_factory.mktemp(f"{arch}-{seed}")
-        return make_tiny_checkpoint(path, arch, seed, sharded, **overrides)
+        if not (dist.is_available() and dist.is_initialized()):
+            return make_tiny_checkpoint(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch, seed, sharded, **overrides)
+        path = [None]
+        if dist.get_rank() == 0:
+            path[0] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch, seed, sharded,
+                                           **overrides)
+        dist.broadcast_object_list(path, src=0)
+        dist.barrier()
+        return path[0]
     return make

@@ -1,0 +1,41 @@
+"""Paged attention over a KV cache owned by the engine."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import kernels
+from engine.attention_context import get_context
+
+
+class Attention(nn.Module):
+    """`forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) -> [T, Hq, D]`.
+
+    Stores this step's K/V in the cache bound by `engine.kv_cache`, then
+    attends: prefill through `varlen_attention` (on this step's K/V, or on
+    every context token read back from the cache when a prefix is cached),
+    decode through `paged_decode_attention` (T = B, one token per sequence).
+    `Hq`, `Hk` are this rank's heads. The layer never allocates cache memory.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = self.v_cache = None  # [num_blocks, block_size, Hk, D], bound by kv_cache.bind_kv_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        if self.k_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; call engine.kv_cache.bind_kv_cache first")
+        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            if ctx.prefill_kv_slots is not None:
+                k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+                v = self.v_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+            return kernels.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                            ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale, causal=True)
+        return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables,
+                                              ctx.context_lens, self.scale)

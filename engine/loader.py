@@ -1,0 +1,129 @@
+"""Safetensors checkpoint loading, lazy and TP-sharded.
+
+Tensors are opened with `safe_open(...).get_slice`, so a rank reads only the
+rows/columns its parameter's `weight_loader` asks for. Every checkpoint tensor
+must map to a parameter and every parameter must be filled: anything else is
+an error naming the key.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+# Checkpoint tensors with no parameter by design (recomputed buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LazyTensor:
+    """A checkpoint tensor not yet read. Slicing (`lazy[a:b]`, `lazy[:, a:b]`)
+    and `narrow(dim, start, length)` read only that slice; any torch op given a
+    LazyTensor (e.g. `param.copy_(lazy)`) reads it whole. Results are CPU tensors."""
+
+    def __init__(self, tensor_slice):
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        read = lambda a: a.materialize() if isinstance(a, LazyTensor) else a
+        return func(*map(read, args), **{k: read(v) for k, v in (kwargs or {}).items()})
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by
+    `model.safetensors.index.json`, else the single `model.safetensors`."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{str(model_dir)!r} has neither model.safetensors.index.json nor model.safetensors")
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, LazyTensor) for every tensor of the checkpoint, file by file."""
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, LazyTensor(f.get_slice(name))
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor | LazyTensor, shard_id=None) -> None:
+    """Replicated parameters (norms, routers): the shapes must match exactly."""
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id) via the model's
+    `packed_modules` (a name component such as `q_proj` -> (`qkv_proj`, "q"))."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in getattr(model, "packed_modules", {}):
+            packed, shard_id = model.packed_modules[part]
+            return ".".join(parts[:i] + [packed] + parts[i + 1:]), shard_id
+    return name, None
+
+
+def _expected_shards(model: nn.Module, param_name: str) -> set:
+    """Shard ids a packed parameter needs (e.g. q, k, v), else {None}."""
+    parts = param_name.split(".")
+    shards = {s for packed, s in getattr(model, "packed_modules", {}).values() if packed in parts}
+    return shards or {None}
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]],
+                 total: int | None = None, progress: bool = True) -> None:
+    """Load named checkpoint tensors into `model` through each parameter's
+    `weight_loader(param, tensor, shard_id)`; tied parameters count once."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[int, set] = {}
+    for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor", disable=not progress):
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        param_name, shard_id = _target(model, name)
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no model parameter (looked for {param_name!r})")
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+        filled.setdefault(id(param), set()).add(shard_id)
+    missing = []
+    for n, p in params.items():
+        lacking = _expected_shards(model, n) - filled.get(id(p), set())
+        if lacking:
+            missing.append(n if lacking == {None} else f"{n} (shards {sorted(map(str, lacking))})")
+    if missing:
+        raise ValueError(f"checkpoint has no tensor for parameter(s): {', '.join(sorted(missing))}")
+
+
+def load_checkpoint(model: nn.Module, model_dir: str | Path, progress: bool = True) -> None:
+    """Load every tensor of the checkpoint in `model_dir` into `model`."""
+    total = 0
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))
+    load_weights(model, checkpoint_tensors(model_dir), total=total, progress=progress)

@@ -1,0 +1,45 @@
+"""Architecture routing: config.json `architectures[0]` -> model class, and
+building a model directly in its final dtype and device."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.distributed import TPGroup
+from engine.models.qwen import QwenForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "Qwen2ForCausalLM": QwenForCausalLM,
+    "Qwen3ForCausalLM": QwenForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[config.architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {config.architecture!r}; "
+                         f"supported: {', '.join(sorted(MODEL_CLASSES))}") from None
+
+
+def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """float32 on CPU; on GPU the checkpoint's half dtype, else bfloat16."""
+    if device.type == "cpu":
+        return torch.float32
+    return config.torch_dtype if config.torch_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
+                tp: TPGroup | None = None) -> nn.Module:
+    """Instantiate the model for `config` with uninitialised parameters created
+    directly in `dtype` on `device` (never a float32 copy first)."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(config, device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_class(config)(config, tp)
+    finally:
+        torch.set_default_dtype(previous)

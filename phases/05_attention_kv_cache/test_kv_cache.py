@@ -1,0 +1,57 @@
+"""KV cache sizing: from the workload, capped by memory, bound once per layer."""
+import math
+
+import pytest
+import torch
+
+from engine.distributed import TPGroup
+from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
+from engine.models.qwen import QwenForCausalLM
+from phases.harness import engine_config
+
+
+def tiny_model(rank=0, size=1):
+    cfg = engine_config()
+    return cfg, QwenForCausalLM(cfg, TPGroup(rank=rank, size=size))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_bytes_per_token_is_layers_x_local_kv_heads_x_head_dim_x_2_x_dtype(size):
+    cfg, model = tiny_model(rank=size - 1, size=size)
+    local_kv_heads = max(1, cfg.num_key_value_heads // size)
+    for dtype, elem in [(torch.float32, 4), (torch.bfloat16, 2)]:
+        want = cfg.num_hidden_layers * local_kv_heads * cfg.head_dim * 2 * elem
+        assert kv_bytes_per_token(model, dtype) == want
+
+
+def test_pool_is_sized_from_the_workload_not_the_model_maximum():
+    # 4 sequences x 1000 tokens at block 16 -> 4 * 63 blocks, whatever max_position_embeddings says
+    assert plan_num_blocks(1024, 16, max_num_seqs=4, max_model_len=1000) == 4 * math.ceil(1000 / 16)
+    plenty = 10 * 2**30
+    assert plan_num_blocks(1024, 16, 4, 1000, free_bytes=plenty) == 4 * 63
+
+
+def test_pool_is_capped_by_memory_utilisation_of_free_memory():
+    per_block = 1024 * 16
+    free = 100 * per_block
+    assert plan_num_blocks(1024, 16, 64, 1000, free_bytes=free, memory_utilization=0.9) == 90
+
+
+def test_pool_too_small_for_one_sequence_is_a_clear_error():
+    with pytest.raises(ValueError, match="max_model_len"):
+        plan_num_blocks(1024, 16, 4, 1000, free_bytes=10 * 1024 * 16)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        plan_num_blocks(1024, 16, 4, 1000, free_bytes=2**30, memory_utilization=1.5)
+
+
+def test_bind_gives_every_layer_its_own_paged_cache():
+    cfg, model = tiny_model()
+    caches = bind_kv_cache(model, num_blocks=7, block_size=16, dtype=torch.float32, device="cpu")
+    layers = attention_layers(model)
+    assert len(layers) == len(caches) == cfg.num_hidden_layers
+    for layer, cache in zip(layers, caches):
+        assert layer.k_cache.shape == layer.v_cache.shape == (7, 16, cfg.num_key_value_heads, cfg.head_dim)
+        assert layer.k_cache.data_ptr() == cache[0].data_ptr()
+        assert layer.v_cache.data_ptr() == cache[1].data_ptr()
+    ptrs = {l.k_cache.data_ptr() for l in layers} | {l.v_cache.data_ptr() for l in layers}
+    assert len(ptrs) == 2 * len(layers)

@@ -1,0 +1,124 @@
+"""MLP, RMSNorm and the decoder layer against HF transformers with the same
+random weights; the fused residual chain uses each layer's own norm weights."""
+import pytest
+import torch
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
+
+from conftest import randomize_weights
+from engine import kernels
+from engine.distributed import TPGroup
+from engine.kv_cache import bind_kv_cache
+from engine.layers.norm import RMSNorm
+from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP
+from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
+
+HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
+PACKED = QwenForCausalLM.packed_modules
+
+
+def hf_module(arch, kind, seed, **kwargs):
+    cls = getattr(HF[arch], arch.replace("ForCausalLM", kind))
+    module = cls(hf_config(arch), **kwargs).eval()
+    randomize_weights(module, seed)
+    return module
+
+
+def rms_norm_f64(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_mlp_matches_hf(arch):
+    torch.manual_seed(0)
+    hf = hf_module(arch, "MLP", seed=3)
+    ours = QwenMLP(engine_config(arch), TPGroup())
+    load_from_hf(ours, hf, PACKED)
+    x = torch.randn(37, hf_config(arch).hidden_size)
+    with torch.no_grad():
+        assert rel_err(ours(x), hf(x)) < 1e-5
+
+
+def test_rmsnorm_returns_a_pair_in_both_branches():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    out, residual = norm(x.clone())
+    assert residual is not None and torch.equal(residual, x)
+    assert rel_err(out, rms_norm_f64(x, norm.weight, 1e-6)) < 1e-6
+    x2, res2 = x.clone(), res.clone()
+    out, residual = norm(x2, res2)
+    assert out is x2 and residual is res2  # in place
+    assert rel_err(residual, x.double() + res.double()) < 1e-6
+    assert rel_err(out, rms_norm_f64(x.double() + res.double(), norm.weight, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_decoder_layer_matches_hf(arch, first_layer):
+    """Paged prefill + decode through one decoder layer; the layer's output is
+    hidden + residual. A later layer receives a residual stream too."""
+    torch.manual_seed(0)
+    cfg = hf_config(arch)
+    hf = hf_module(arch, "DecoderLayer", seed=4, layer_idx=0)
+    rotary = getattr(HF[arch], arch.replace("ForCausalLM", "RotaryEmbedding"))(cfg)
+    ours = QwenDecoderLayer(engine_config(arch), TPGroup())
+    load_from_hf(ours, hf, PACKED)
+    block_size, prompt_lens = 16, [3, 19, 30]
+    lengths = [n + 9 for n in prompt_lens]
+    bind_kv_cache(ours, num_blocks_for(lengths, block_size), block_size, torch.float32, "cpu")
+    hidden = [torch.randn(n, cfg.hidden_size) for n in lengths]
+    residual = [torch.randn(n, cfg.hidden_size) for n in lengths]
+    width = cfg.hidden_size
+
+    def step(x, positions):
+        h, r = (x, None) if first_layer else (x[:, :width].contiguous(), x[:, width:].contiguous())
+        out, res = ours(positions, h, r)
+        return out + res
+
+    inputs = hidden if first_layer else [torch.cat([h, r], -1) for h, r in zip(hidden, residual)]
+    with torch.no_grad():
+        got = run_paged(step, inputs, prompt_lens, block_size)
+        for g, h, r in zip(got, hidden, residual):
+            x = h if first_layer else h + r
+            pos = torch.arange(len(x))[None]
+            want = hf(x[None], attention_mask=causal_mask(len(x)), position_ids=pos,
+                      position_embeddings=rotary(x[None], pos))
+            want = want[0] if isinstance(want, tuple) else want
+            assert rel_err(g, want[0]) < 1e-4
+
+
+def test_every_norm_uses_its_own_layers_weight(monkeypatch):
+    """Spy on the norm kernels during a forward: the weights passed, in call
+    order, are exactly each layer's own norms (no cross-layer reference)."""
+    cfg = engine_config("Qwen3ForCausalLM", num_hidden_layers=3)
+    model = QwenForCausalLM(cfg, TPGroup())
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    seen = []
+    for name in ("rms_norm", "fused_add_rms_norm"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _name=name):
+            weight = args[2]
+            seen.append((_name, id(weight)))
+            return _real(*args)
+        monkeypatch.setattr(kernels, name, spy)
+    bind_kv_cache(model, 2, 16, torch.float32, "cpu")
+    from engine.attention_context import prefill_context, reset_context, set_context
+    positions, ctx = prefill_context([5], [0], [[0]], 16, "cpu")
+    set_context(ctx)
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (5,)), positions)
+    reset_context()
+    expected = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        expected += [("rms_norm" if i == 0 else "fused_add_rms_norm", id(layer.input_layernorm.weight)),
+                     ("rms_norm", id(attn.q_norm.weight)), ("rms_norm", id(attn.k_norm.weight)),
+                     ("fused_add_rms_norm", id(layer.post_attention_layernorm.weight))]
+    expected.append(("fused_add_rms_norm", id(model.model.norm.weight)))
+    assert seen == expected

@@ -1,0 +1,82 @@
+"""ModelConfig reads every dimension from config.json, in both the published
+and the transformers-5 form."""
+import json
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.models.registry import build_model
+
+# The published Qwen3-8B config.json (external data, not produced by our code).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+
+
+def test_published_qwen3_8b_config():
+    c = ModelConfig.from_dict(QWEN3_8B)
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (4096, 12288, 32, 8)
+    assert (c.num_hidden_layers, c.head_dim, c.vocab_size, c.max_position_embeddings) == (36, 128, 151936, 40960)
+    assert (c.rope_theta, c.rms_norm_eps, c.torch_dtype) == (1e6, 1e-6, torch.bfloat16)
+    assert c.qk_norm and not c.qkv_bias and not c.tie_word_embeddings and c.rope_scaling is None
+    assert c.eos_token_ids == (151645,)
+
+
+def test_transformers5_form_reads_the_same():
+    new = {k: v for k, v in QWEN3_8B.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    new.update(rope_parameters={"rope_theta": 1000000, "rope_type": "default"}, dtype="bfloat16")
+    assert ModelConfig.from_dict(new) == ModelConfig.from_dict(QWEN3_8B)
+
+
+def test_yarn_rope_parameters_become_rope_scaling():
+    new = dict(QWEN3_8B, rope_parameters={"rope_theta": 10000, "rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 4096})
+    del new["rope_theta"], new["rope_scaling"]
+    c = ModelConfig.from_dict(new)
+    assert c.rope_theta == 10000 and c.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 4096}
+
+
+def test_head_dim_falls_back_to_hidden_over_heads_and_qwen2_has_qkv_bias():
+    qwen2 = {k: v for k, v in QWEN3_8B.items() if k not in ("head_dim", "attention_bias")}
+    qwen2.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, num_attention_heads=28)
+    c = ModelConfig.from_dict(qwen2)
+    assert c.head_dim == 128 and c.qkv_bias and not c.qk_norm
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size"])
+def test_missing_dimension_is_an_error_naming_it(key):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_dict({k: v for k, v in QWEN3_8B.items() if k != key})
+
+
+def test_bad_model_dirs_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelConfig.from_model_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in QWEN3_8B.items() if k != "architectures"}))
+    with pytest.raises(ValueError, match="architectures"):
+        ModelConfig.from_model_dir(tmp_path)
+
+
+def test_unknown_architecture_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        build_model(ModelConfig.from_dict(dict(QWEN3_8B, architectures=["LlamaForCausalLM"])), "meta")
+
+
+def test_model_is_built_in_its_final_dtype_without_a_float32_copy():
+    c = ModelConfig.from_dict(QWEN3_8B)
+    model = build_model(c, "meta", torch.bfloat16)  # the full 8B shape, no memory
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.19e9, rel=0.01)
+    assert torch.get_default_dtype() == torch.float32

@@ -1,0 +1,126 @@
+"""Test harness shared by the model phases (05-07, later 09+): drive a
+model-like module through paged prefill/decode steps the way the engine does,
+and the HF transformers oracle helpers.
+
+Lives in phases/ (not the engine): it is test code.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conftest import TINY_CONFIGS
+from engine.config import ModelConfig
+
+
+def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_size: int,
+              seed: int = 0, cached_lens: list[int] | None = None) -> list[torch.Tensor]:
+    """Drive sequences through a model-like ``step(x, positions) -> out [T, ...]``
+    the way the engine does: one ragged prefill of the first ``prompt_lens[i]``
+    rows of every sequence, then decode steps of one row per sequence until each
+    sequence's rows are used up (so the decode batch shrinks). Block tables are
+    random, non-contiguous block ids. With ``cached_lens``, the first
+    ``cached_lens[i]`` rows are prefilled in an earlier step, so the main prefill
+    reads that prefix back from the cache. The module must already have its KV
+    cache bound with enough blocks. Returns each sequence's outputs in position
+    order.
+    """
+    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-len(x) // block_size) for x in inputs]
+    ids = torch.randperm(sum(need), generator=gen).tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(inputs))]
+    device = inputs[0].device
+    outs: list[list[torch.Tensor]] = [[] for _ in inputs]
+
+    def prefill(start: list[int], end: list[int], keep: bool):
+        positions, ctx = prefill_context(end, start, tables, block_size, device)
+        x = torch.cat([seq[a:b] for seq, a, b in zip(inputs, start, end)])
+        set_context(ctx)
+        try:
+            y = step(x, positions)
+        finally:
+            reset_context()
+        if keep:
+            for i, part in enumerate(y.split([b - a for a, b in zip(start, end)])):
+                outs[i].append(part)
+
+    if cached_lens is not None:
+        prefill([0] * len(inputs), cached_lens, keep=True)
+        prefill(cached_lens, prompt_lens, keep=True)
+    else:
+        prefill([0] * len(inputs), prompt_lens, keep=True)
+    lens = list(prompt_lens)
+    while True:
+        live = [i for i, x in enumerate(inputs) if lens[i] < len(x)]
+        if not live:
+            break
+        positions, ctx = decode_context([lens[i] + 1 for i in live], [tables[i] for i in live], block_size, device)
+        x = torch.stack([inputs[i][lens[i]] for i in live])
+        set_context(ctx)
+        try:
+            y = step(x, positions)
+        finally:
+            reset_context()
+        for row, i in enumerate(live):
+            outs[i].append(y[row:row + 1])
+            lens[i] += 1
+    return [torch.cat(o) for o in outs]
+
+
+def num_blocks_for(lengths, block_size: int) -> int:
+    return sum(-(-n // block_size) for n in lengths)
+
+
+def hf_config(arch: str = "Qwen3ForCausalLM", **overrides):
+    """The transformers config of the tiny ``arch`` (eager attention)."""
+    import transformers
+
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(**{**TINY_CONFIGS[arch], **overrides}, bos_token_id=1, eos_token_id=1)
+    config._attn_implementation = "eager"
+    return config
+
+
+def causal_mask(length: int) -> torch.Tensor:
+    """Additive causal mask [1, 1, L, L] for HF eager attention."""
+    return torch.full((length, length), float("-inf")).triu(1)[None, None]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| in float64."""
+    ours, ref = ours.double(), ref.double()
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+def engine_config(arch: str = "Qwen3ForCausalLM", **overrides) -> ModelConfig:
+    """Our ModelConfig for the tiny ``arch``, read from the dict HF would save."""
+    return ModelConfig.from_dict({**hf_config(arch, **overrides).to_dict(), "architectures": [arch]})
+
+
+def load_from_hf(ours: nn.Module, hf: nn.Module, packed_modules: dict) -> None:
+    """Load an HF module's parameters into ``ours`` (same structure, merged
+    projections named by ``packed_modules``) through the checkpoint loader."""
+    from engine.loader import load_weights
+
+    holder = nn.Module()
+    holder.packed_modules = packed_modules
+    holder.m = ours
+    load_weights(holder, (("m." + n, p.detach()) for n, p in hf.named_parameters()), progress=False)
+
+
+def load_engine_model(model_dir, tp=None, device="cpu", dtype=None):
+    """Our model for a checkpoint directory: config, build, load every tensor."""
+    from engine.loader import load_checkpoint
+    from engine.models.registry import build_model
+
+    config = ModelConfig.from_model_dir(model_dir)
+    model = build_model(config, device, dtype, tp)
+    load_checkpoint(model, model_dir, progress=False)
+    return model
+
+
+def all_logits_step(model):
+    """A ``run_paged`` step returning the logits of every token."""
+    return lambda ids, positions: model.compute_logits(model(ids, positions))
