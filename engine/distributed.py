@@ -67,25 +67,25 @@ def get_tp_group() -> TPGroup:
 
 @torch.library.custom_op("agent_infer::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` over the TP group, as a new tensor (same shape, dtype, device).
+    """Sum of ``x`` over the TP group, as a new contiguous tensor (same shape, dtype, device).
 
     Uses the custom all-reduce when initialised and the message fits, else
     NCCL/gloo. Registered as a custom op so torch.compile treats it as opaque.
     """
     if _tp.size == 1:
-        return x.clone()
+        return x.clone(memory_format=torch.contiguous_format)
     if _custom_all_reduce is not None:
         out = _custom_all_reduce(x)
         if out is not None:
             return out
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=_tp.group)
     return out
 
 
 @all_reduce_sum.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import (TPGroup, all_gather_last_dim, all_reduce_sum, broadcast_object,
-                                broadcast_tensor, get_tp_group, init_custom_all_reduce, init_tp_distributed)
+                                broadcast_tensor, get_tp_group, init_custom_all_reduce)
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = ("import torch.distributed as dist; from engine.distributed import init_tp_distributed, get_tp_group; "
@@ -46,10 +46,12 @@ def test_all_reduce_sum_at_tp1_returns_a_new_equal_tensor():
     torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_reduce_sum_is_a_registered_custom_op(dtype):
-    """Schema, fake (meta) implementation and aliasing rules checked by torch itself."""
+def test_all_reduce_sum_is_a_registered_custom_op(dtype, transposed):
+    """Schema, fake (meta) implementation, strides and aliasing rules checked by torch itself."""
     x = torch.randn(4, 8, dtype=dtype)
+    x = x.t() if transposed else x
     torch.library.opcheck(torch.ops.agent_infer.all_reduce_sum.default, (x,))
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = all_reduce_sum(mode.from_tensor(x))
