@@ -1,0 +1,160 @@
+"""varlen_attention and paged_decode_attention against float64 attention written here.
+
+Outputs are allocated inside the ops, so the calls run with poisoned allocations
+(torch.empty returns NaN): any element an op fails to write shows up as NaN.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from primitives_checks import assert_close, poisoned_allocations, rand, run_cases
+
+SEEDS = st.integers(0, 2**31 - 1)
+# (query/key head dim, value head dim): Qwen 64/128, MLA prefill 192 -> 128.
+HEAD_DIMS = st.sampled_from([(64, 64), (128, 128), (192, 128)])
+
+
+def attention_truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D], k [Lk, Hk, D], v [Lk, Hk, Dv] in float64; causal is bottom-right aligned."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        offset = k.shape[0] - q.shape[0]
+        hidden = torch.arange(k.shape[0])[None, :] > torch.arange(q.shape[0])[:, None] + offset
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hqk,khe->qhe", torch.softmax(scores, dim=-1), v)
+
+
+def within_budget(lengths: list[int], budget: int) -> list[int]:
+    """The leading lengths whose sum stays within ``budget`` (the first one clipped to it)."""
+    kept = [min(lengths[0], budget)]
+    for n in lengths[1:]:
+        if sum(kept) + n > budget:
+            break
+        kept.append(n)
+    return kept
+
+
+def varlen_case(target, max_seqs: int, max_tokens: int):
+    def build(lengths_dims):
+        q_lens, cached, kv_heads, ratio, dims, causal, seed = lengths_dims
+        return q_lens, cached[: len(q_lens)], kv_heads, ratio, dims, causal, seed
+    lens = st.lists(st.integers(1, max_tokens), min_size=1, max_size=max_seqs).map(
+        lambda n: within_budget(n, max_tokens))
+    prefix = st.lists(st.sampled_from([0, 0, 1, 17, 64]), min_size=max_seqs, max_size=max_seqs)
+    return st.tuples(lens, prefix, st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]), HEAD_DIMS,
+                     st.booleans(), SEEDS).map(build)
+
+
+def run_varlen(target, attention):
+    def check(case):
+        q_lens, cached, kv_heads, ratio, (head_dim, v_dim), causal, seed = case
+        gen = torch.Generator().manual_seed(seed)
+        k_lens = [lq + c for lq, c in zip(q_lens, cached)]  # a cached prefix: more keys than queries
+        heads = kv_heads * ratio
+        q = rand(gen, sum(q_lens), heads, head_dim, target=target)
+        k = rand(gen, sum(k_lens), kv_heads, head_dim, target=target)
+        v = rand(gen, sum(k_lens), kv_heads, v_dim, target=target)
+        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=target.device)
+        cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=target.device)
+        scale = head_dim ** -0.5
+        with poisoned_allocations():
+            out = attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), scale, causal)
+        want = torch.cat([attention_truth(q[a:b], k[c:d], v[c:d], scale, causal) for a, b, c, d in
+                          zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())])
+        assert_close(out, want, target.tol, f"varlen attention q_lens={q_lens} k_lens={k_lens}")
+
+    run_cases(target, varlen_case(target, 4, min(300, target.max_tokens * 2)), check)
+
+
+def test_varlen_attention_matches_float64(target):
+    """Ragged batch, GQA 1/2/4/8, head dims 64/128/192 (v 128), cached prefixes (bottom-right causal)."""
+    run_varlen(target, target.ops.varlen_attention)
+
+
+@pytest.mark.cuda
+def test_cuda_triton_varlen_kernel_matches_float64():
+    """The Triton varlen kernel itself in bf16 (on CUDA the op prefers torch's varlen_attn where it fits)."""
+    from conftest import TARGETS
+    from engine.kernels.triton.prefill_attention import flash_varlen_attention
+
+    run_varlen(next(p.values[0] for p in TARGETS if p.id == "triton-cuda"), flash_varlen_attention)
+
+
+def paged_case(num_blocks: int, block_size: int, context_lens: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Block tables [B, max_blocks] int32 of random, distinct block ids; unused entries are -1."""
+    max_blocks = max(-(-n // block_size) for n in context_lens) + 1
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(context_lens):
+        need = -(-n // block_size)
+        tables[row, :need] = ids[used: used + need].to(torch.int32)
+        used += need
+    return tables
+
+
+def decode_truth(q, k_cache, v_cache, tables, context_lens, scale, v_dim):
+    outs = []
+    for row, n in enumerate(context_lens):
+        positions = torch.arange(n)
+        blocks = tables[row].long()[positions // k_cache.shape[1]]
+        keys = k_cache.cpu()[blocks, positions % k_cache.shape[1]]
+        values = keys[..., :v_dim] if v_cache is None else v_cache.cpu()[blocks, positions % k_cache.shape[1]]
+        outs.append(attention_truth(q[row: row + 1], keys, values, scale, causal=False))
+    return torch.cat(outs)
+
+
+def run_decode(target, kv_heads, ratio, head_dim, v_dim, latent, block_size, context_lens, seed, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    q = rand(gen, len(context_lens), kv_heads * ratio, head_dim, target=target)
+    k_cache = rand(gen, num_blocks, block_size, kv_heads, head_dim, target=target)
+    v_cache = None if latent else rand(gen, num_blocks, block_size, kv_heads, v_dim, target=target)
+    tables = paged_case(num_blocks, block_size, context_lens, gen)
+    scale = head_dim ** -0.5
+    with poisoned_allocations():
+        out = target.ops.paged_decode_attention(
+            q, k_cache, v_cache, tables.to(target.device),
+            torch.tensor(context_lens, dtype=torch.int32, device=target.device), scale,
+            v_dim if latent else None, **kwargs)
+    want = decode_truth(q, k_cache, v_cache, tables, context_lens, scale, v_dim)
+    assert_close(out, want, target.tol, f"paged decode context_lens={context_lens} block_size={block_size}")
+
+
+def context_lengths(block_size: int, max_len: int):
+    """Lengths of 1, exactly a block, one past a block, and anything else up to ``max_len``."""
+    edges = st.sampled_from([1, block_size, block_size + 1, 2 * block_size - 1])
+    return st.lists(st.one_of(edges, st.integers(1, max_len)).map(lambda n: min(n, max_len)), min_size=1, max_size=6)
+
+
+def test_paged_decode_attention_matches_float64(target):
+    """FM-008: block sizes 16 and 256, contexts crossing block boundaries, GQA 1/2/4/8, head dims 64/128."""
+    max_len = 600 if target.max_tokens >= 300 else 300
+
+    def check(case):
+        (kv_heads, ratio, head_dim, block_size, seed), lens = case
+        run_decode(target, kv_heads, ratio, head_dim, head_dim, False, block_size, lens, seed)
+
+    shapes = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([64, 128]),
+                       st.sampled_from([16, 256]), SEEDS)
+    run_cases(target, shapes.flatmap(lambda s: st.tuples(st.just(s), context_lengths(s[3], max_len))), check)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_paged_decode_attention_mla_latent_cache(target, block_size):
+    """MLA decode: one KV head of 512 + 64, V = its first 512 channels, 16 query heads."""
+    run_decode(target, 1, 16, 576, 512, True, block_size, [1, block_size + 3, 300][: 2 if target.max_tokens < 300
+                                                                                     else 3], seed=block_size)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_decode_split_count_does_not_change_the_result(target, num_splits):
+    """The Triton split-K merge: any number of splits (empty ones included) gives the float64 answer."""
+    if "triton" not in target.module:
+        pytest.skip("num_splits is a Triton-backend knob")
+    run_decode(target, 2, 4, 128, 128, False, 16, [1, 33, 200], seed=num_splits, num_splits=num_splits)

@@ -1,0 +1,78 @@
+"""rms_norm, fused_add_rms_norm and silu_and_mul against float64 math, on every backend present."""
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from primitives_checks import assert_close, rand, run_cases
+
+EPS = 1e-6
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+def rows(target):
+    """(tokens, hidden) with at most ~64K elements: CI's CPU time is shared, wide rows come with fewer tokens."""
+    return st.sampled_from([64, 128, 200, 576, 1024, 4096]).flatmap(
+        lambda hidden: st.tuples(st.integers(1, min(target.max_tokens, 65536 // hidden)), st.just(hidden)))
+
+
+def rms_norm_truth(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x, weight = x.double().cpu(), weight.double().cpu()
+    return x / (x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps).sqrt() * weight
+
+
+def test_rms_norm_matches_float64(target):
+    def check(case):
+        (tokens, hidden), seed = case
+        gen = torch.Generator().manual_seed(seed)
+        x = rand(gen, tokens, hidden, target=target, scale=3.0)
+        weight = 1 + 0.1 * rand(gen, hidden, target=target)
+        out = torch.full_like(x, float("nan"))
+        target.ops.rms_norm(out, x, weight, EPS)
+        assert_close(out, rms_norm_truth(x, weight, EPS), target.tol, "rms_norm")
+
+    run_cases(target, st.tuples(rows(target), SEEDS), check)
+
+
+def test_rms_norm_on_strided_per_head_view(target):
+    """FM-002: the per-head Q/K norm input is a non-contiguous [T, H, D] view of the fused QKV output."""
+    def check(case):
+        tokens, heads, head_dim, seed = case
+        gen = torch.Generator().manual_seed(seed)
+        qkv = rand(gen, tokens, (heads + 2) * head_dim, target=target)
+        q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        assert not q.is_contiguous() or tokens == 1
+        weight = 1 + 0.1 * rand(gen, head_dim, target=target)
+        out = torch.full((tokens, heads, head_dim), float("nan"), dtype=target.dtype, device=target.device)
+        target.ops.rms_norm(out, q, weight, EPS)
+        assert_close(out, rms_norm_truth(q, weight, EPS), target.tol, "rms_norm on a strided view")
+
+    run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([1, 4, 8, 32]), st.sampled_from([64, 128]), SEEDS), check)
+
+
+def test_fused_add_rms_norm_updates_both_in_place(target):
+    def check(case):
+        (tokens, hidden), seed = case
+        gen = torch.Generator().manual_seed(seed)
+        x = rand(gen, tokens, hidden, target=target)
+        residual = rand(gen, tokens, hidden, target=target, scale=4.0)
+        weight = 1 + 0.1 * rand(gen, hidden, target=target)
+        summed = x.double().cpu() + residual.double().cpu()
+        target.ops.fused_add_rms_norm(x, residual, weight, EPS)
+        assert_close(residual, summed, target.tol / 4, "fused_add_rms_norm residual")
+        assert_close(x, rms_norm_truth(summed, weight, EPS), target.tol, "fused_add_rms_norm output")
+
+    run_cases(target, st.tuples(rows(target), SEEDS), check)
+
+
+def test_silu_and_mul_matches_float64(target):
+    def check(case):
+        (tokens, half), seed = case
+        gen = torch.Generator().manual_seed(seed)
+        x = rand(gen, tokens, 2 * half, target=target, scale=2.0)
+        out = torch.full((tokens, half), float("nan"), dtype=target.dtype, device=target.device)
+        target.ops.silu_and_mul(out, x)
+        gate, up = x.double().cpu()[:, :half], x.double().cpu()[:, half:]
+        assert_close(out, gate / (1 + torch.exp(-gate)) * up, target.tol, "silu_and_mul")
+
+    run_cases(target, st.tuples(rows(target), SEEDS), check)
