@@ -21,8 +21,9 @@ gates: setup
 	$(BIN)/python -m gates run
 
 # Both commands always run; pytest exit 5 (nothing collected) is not a failure.
+# --dist loadfile keeps each test file on one worker, so module-scoped fixtures are built once.
 test: setup
 	@status=0; \
-	$(BIN)/python -m pytest -n auto -m "not torchrun" phases tests || [ $$? -eq 5 ] || status=1; \
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not torchrun" phases tests || [ $$? -eq 5 ] || status=1; \
 	$(BIN)/python -m gates run --mode torchrun --keep-going --skip-empty || status=1; \
 	exit $$status

@@ -109,7 +109,7 @@ def full(tree):
 def run_cli(tree, *args):
     """``python -m gates --root tree run ...`` in-process; returns (exit code, stdout, report)."""
     buf = io.StringIO()
-    report = tree / f"report-{len(list(tree.glob('report-*.json')))}.json"
+    report = tree / f"report-{'_'.join(args) or 'all'}.json"
     with contextlib.redirect_stdout(buf):
         code = main(["--root", str(tree), "run", "--report", str(report), *args])
     return code, buf.getvalue(), json.loads(report.read_text())
@@ -251,3 +251,9 @@ def test_bad_trees_are_clear_errors_with_exit_code_2(tmp_path, capsys):
     assert main(["--root", str(tmp_path), "list"]) == 0
     assert "gate.yaml missing" in capsys.readouterr().out
     assert not (tmp_path / "order.log").exists()
+
+
+def test_status_prints_the_table_of_a_report(full, tree, capsys):
+    assert main(["--root", str(tree), "status", "--report", str(tree / "report-all.json")]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [row.split()[:2] for row in rows] == [[p["id"], p["status"]] for p in full[2]["phases"]]
