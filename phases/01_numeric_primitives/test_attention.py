@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from primitives_checks import assert_close, poisoned_allocations, rand, run_cases
+from primitives_checks import TARGETS, assert_close, poisoned_allocations, rand, run_cases
 
 SEEDS = st.integers(0, 2**31 - 1)
 # (query/key head dim, value head dim): Qwen 64/128, MLA prefill 192 -> 128.
@@ -79,7 +79,6 @@ def test_varlen_attention_matches_float64(target):
 @pytest.mark.cuda
 def test_cuda_triton_varlen_kernel_matches_float64():
     """The Triton varlen kernel itself in bf16 (on CUDA the op prefers torch's varlen_attn where it fits)."""
-    from conftest import TARGETS
     from engine.kernels.triton.prefill_attention import flash_varlen_attention
 
     run_varlen(next(p.values[0] for p in TARGETS if p.id == "triton-cuda"), flash_varlen_attention)

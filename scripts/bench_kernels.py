@@ -1,0 +1,203 @@
+"""Benchmark the engine.kernels ops on CUDA against copy bandwidth and torch eager.
+
+    python scripts/bench_kernels.py [--json out.json]
+
+Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
+and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
+at decode and prefill sizes. Times are medians of CUDA-event timings from
+triton.testing.do_bench, which clears the L2 cache before every call, so no
+timing measures data left in L2. Memory-bound ops report GB/s (bytes read +
+written once) and the share of a device-to-device copy measured in the same
+run; prefill attention reports TFLOP/s against torch's own varlen_attn.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels import get_cos_sin_cache, reference  # noqa: E402
+from engine.kernels import triton as ours  # noqa: E402
+
+DTYPE = torch.bfloat16
+QWEN = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288)
+DSV2 = dict(hidden=2048, heads=16, kv_lora=512, rope=64, nope=128, v=128)
+
+
+def median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rand(*shape) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+
+
+def copy_gbps() -> float:
+    src = torch.randn(1 << 28, device="cuda", dtype=DTYPE)  # 512 MiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def row(results, op, model, shape, ours_ms, torch_ms, nbytes=None, flops=None, copy=None, baseline=None):
+    entry = dict(op=op, model=model, shape=shape, ours_us=ours_ms * 1e3, torch_eager_us=torch_ms * 1e3)
+    if nbytes is not None:
+        entry["gbps"] = nbytes / ours_ms / 1e6
+        entry["pct_copy"] = 100 * entry["gbps"] / copy
+    if flops is not None:
+        entry["tflops"] = flops / ours_ms / 1e9
+    if baseline is not None:
+        entry.update(baseline)
+    results.append(entry)
+
+
+def bench_elementwise(results, copy):
+    eps = 1e-6
+    for model, hidden in (("qwen3-8b", QWEN["hidden"]), ("dsv2-lite", DSV2["hidden"])):
+        for tokens in (64, 4096):
+            x, res, w = rand(tokens, hidden), rand(tokens, hidden), 1 + 0.1 * rand(hidden)
+            out = torch.empty_like(x)
+            nbytes = 2 * x.numel() * 2
+            row(results, "rms_norm", model, f"T={tokens} H={hidden}", median_ms(lambda: ours.rms_norm(out, x, w, eps)),
+                median_ms(lambda: reference.rms_norm(out, x, w, eps)), nbytes, copy=copy)
+            row(results, "fused_add_rms_norm", model, f"T={tokens} H={hidden}",
+                median_ms(lambda: ours.fused_add_rms_norm(x, res, w, eps)),
+                median_ms(lambda: reference.fused_add_rms_norm(x, res, w, eps)), 2 * nbytes, copy=copy)
+    inter = QWEN["intermediate"]
+    for tokens in (64, 4096):
+        x, out = rand(tokens, 2 * inter), torch.empty(tokens, inter, device="cuda", dtype=DTYPE)
+        row(results, "silu_and_mul", "qwen3-8b", f"T={tokens} I={inter}", median_ms(lambda: ours.silu_and_mul(out, x)),
+            median_ms(lambda: reference.silu_and_mul(out, x)), 3 * out.numel() * 2, copy=copy)
+
+
+def bench_rotary_and_store(results, copy):
+    hq, hk, d = QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"]
+    cache, _ = get_cos_sin_cache(40960, d, 1e6, dtype=DTYPE, device="cuda")
+    for tokens in (64, 4096):
+        qkv = rand(tokens, (hq + 2 * hk) * d)
+        q, k = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d: (hq + hk) * d].view(tokens, hk, d)
+        v = qkv[:, (hq + hk) * d:].view(tokens, hk, d)
+        pos = torch.randint(0, 40960, (tokens,), device="cuda")
+        row(results, "rotary (neox)", "qwen3-8b", f"T={tokens}",
+            median_ms(lambda: ours.rotary_embedding(pos, q, k, d, cache, True)),
+            median_ms(lambda: reference.rotary_embedding(pos, q, k, d, cache, True)), 2 * (hq + hk) * d * tokens * 2,
+            copy=copy)
+        k_cache, v_cache = rand(tokens // 16 + 8, 16, hk, d), rand(tokens // 16 + 8, 16, hk, d)
+        slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:tokens]
+        row(results, "store_kv_cache", "qwen3-8b", f"T={tokens}",
+            median_ms(lambda: ours.store_kv_cache(k, v, k_cache, v_cache, slots)),
+            median_ms(lambda: reference.store_kv_cache(k, v, k_cache, v_cache, slots)), 4 * hk * d * tokens * 2,
+            copy=copy)
+    scaling = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+               "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    cache, _ = get_cos_sin_cache(163840, DSV2["rope"], 1e4, scaling, dtype=DTYPE, device="cuda")
+    for tokens in (64, 4096):
+        q = rand(tokens, DSV2["heads"], DSV2["nope"] + DSV2["rope"])
+        latent = rand(tokens, 1, DSV2["kv_lora"] + DSV2["rope"])
+        q_pe, k_pe = q[..., DSV2["nope"]:], latent[..., DSV2["kv_lora"]:]
+        pos = torch.randint(0, 163840, (tokens,), device="cuda")
+        row(results, "rotary (gptj yarn)", "dsv2-lite", f"T={tokens}",
+            median_ms(lambda: ours.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False)),
+            median_ms(lambda: reference.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False)),
+            2 * (DSV2["heads"] + 1) * DSV2["rope"] * tokens * 2, copy=copy)
+
+
+def paged_inputs(batch, context, block_size, kv_heads, head_dim, v_dim):
+    blocks_per_seq = context // block_size
+    k_cache = rand(batch * blocks_per_seq, block_size, kv_heads, head_dim)
+    v_cache = None if v_dim is None else rand(batch * blocks_per_seq, block_size, kv_heads, v_dim)
+    tables = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, blocks_per_seq).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, tables, lens
+
+
+def bench_decode(results, copy):
+    import torch.nn.functional as F
+
+    hq, hk, d, ctx = QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"], 4096
+    for batch in (1, 8, 64):
+        q = rand(batch, hq, d)
+        contiguous_k, contiguous_v = rand(batch, hk, ctx, d), rand(batch, hk, ctx, d)
+        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], contiguous_k, contiguous_v,
+                                                                   enable_gqa=True))
+        for block_size in (16, 256):
+            k_cache, v_cache, tables, lens = paged_inputs(batch, ctx, block_size, hk, d, d)
+            args = (q, k_cache, v_cache, tables, lens, d ** -0.5)
+            row(results, "paged_decode", "qwen3-8b", f"B={batch} ctx={ctx} bs={block_size}",
+                median_ms(lambda: ours.paged_decode_attention(*args)),
+                median_ms(lambda: reference.paged_decode_attention(*args)), 2 * batch * ctx * hk * d * 2, copy=copy,
+                baseline={"sdpa_contiguous_us": sdpa_ms * 1e3})
+    width = DSV2["kv_lora"] + DSV2["rope"]
+    for batch in (1, 8, 64):
+        q = rand(batch, DSV2["heads"], width)
+        for block_size in (16, 256):
+            k_cache, _, tables, lens = paged_inputs(batch, ctx, block_size, 1, width, None)
+            args = (q, k_cache, None, tables, lens, (DSV2["nope"] + DSV2["rope"]) ** -0.5, DSV2["kv_lora"])
+            row(results, "paged_decode (MLA)", "dsv2-lite", f"B={batch} ctx={ctx} bs={block_size}",
+                median_ms(lambda: ours.paged_decode_attention(*args)),
+                median_ms(lambda: reference.paged_decode_attention(*args)), batch * ctx * width * 2, copy=copy)
+
+
+def bench_prefill(results):
+    from torch.nn.attention.varlen import varlen_attn
+
+    from engine.kernels.triton.prefill_attention import _torch_varlen_parameters, flash_varlen_attention
+
+    tokens = 4096
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    for model, hq, hk, d, dv in (("qwen3-8b", QWEN["heads"], QWEN["kv_heads"], 128, 128),
+                                 ("dsv2-lite", DSV2["heads"], DSV2["heads"], 192, 128)):
+        q, k, v = rand(tokens, hq, d), rand(tokens, hk, d), rand(tokens, hk, dv)
+        args = (q, k, v, cu, cu, tokens, tokens, d ** -0.5, True)
+        flops = 2 * hq * tokens * tokens * (d + dv) / 2  # causal: half the score matrix
+        baseline = {}
+        if d == dv:
+            params = _torch_varlen_parameters()
+            causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+            gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
+            torch_ms = median_ms(lambda: varlen_attn(q, kk, vv, cu, cu, tokens, tokens, scale=d ** -0.5,
+                                                     **causal, **gqa))
+            triton_ms = median_ms(lambda: flash_varlen_attention(*args))
+            baseline = {"torch_varlen_tflops": flops / torch_ms / 1e9, "triton_kernel_tflops": flops / triton_ms / 1e9}
+        row(results, "varlen_prefill", model, f"T={tokens} {hq}q/{hk}kv d={d}/{dv} causal",
+            median_ms(lambda: ours.varlen_attention(*args)), median_ms(lambda: reference.varlen_attention(*args)),
+            flops=flops, baseline=baseline)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the full results here")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    copy = copy_gbps()
+    results: list[dict] = []
+    bench_elementwise(results, copy)
+    bench_rotary_and_store(results, copy)
+    bench_decode(results, copy)
+    bench_prefill(results)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy,
+              "results": results}
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=1))
+    print(f"{report['device']}  torch {torch.__version__}  device-to-device copy {copy:.0f} GB/s")
+    print(f"{'op':22} {'model':9} {'shape':34} {'ours us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'eager us':>9}  extra")
+    for r in results:
+        extra = {k: round(v, 1) for k, v in r.items() if k in ("sdpa_contiguous_us", "torch_varlen_tflops",
+                                                                  "triton_kernel_tflops")}
+        print(f"{r['op']:22} {r['model']:9} {r['shape']:34} {r['ours_us']:9.1f} {r.get('gbps', float('nan')):7.0f} "
+              f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):8.1f} "
+              f"{r['torch_eager_us']:9.1f}  {extra or ''}")
+    print(json.dumps({"copy_gbps": round(copy), "n_results": len(results)}))
+
+
+if __name__ == "__main__":
+    main()
