@@ -54,7 +54,7 @@ def _select(device_type: str, forced: str | None) -> str:
     if forced is not None:
         reason = _unavailable_reason(forced)
         if reason is not None:
-            raise RuntimeError(f"{ENV_VAR}={forced} but that backend cannot run here ({reason})")
+            raise ValueError(f"{ENV_VAR}={forced} but that backend cannot run here ({reason})")
         return forced
     return next(name for name in ("vllm", "triton", "torch") if _unavailable_reason(name) is None)
 
