@@ -30,7 +30,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Float32 ``[B, V]`` in the open interval (0, 1), a pure function of (seed, step, token id).
 
     seeds, steps: int64 ``[B]`` (seeds in [0, 2**63)).
@@ -50,7 +50,7 @@ class Sampler(nn.Module):
     temperature, keep the ``top_k`` largest logits (0 or -1 = all), then the
     smallest set of those whose probability mass reaches ``top_p`` (1.0 = all),
     and draw from the renormalised distribution with the exponential race
-    ``argmax(p / E)``, ``E = -log(u)``, ``u = uniform_noise(seeds, steps)``.
+    ``argmax(p / E)``, ``E = -log(u)``, ``u = _uniform_noise(seeds, steps)``.
     ``steps`` is the request's output index, so a seed fixes the whole output.
     """
 
@@ -86,7 +86,7 @@ class Sampler(nn.Module):
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        exponential = -torch.log(uniform_noise(seeds, steps, vocab_size).gather(1, order))
+        exponential = -torch.log(_uniform_noise(seeds, steps, vocab_size).gather(1, order))
         choice = (probs / exponential).argmax(dim=-1, keepdim=True)
         sampled = order.gather(1, choice).squeeze(1)
         return torch.where(temperatures > 0, sampled, greedy)

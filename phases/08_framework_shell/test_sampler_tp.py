@@ -19,7 +19,7 @@ def rank_logits(rank: int) -> torch.Tensor:
 
 
 @pytest.mark.torchrun
-def test_every_rank_gets_rank0_tokens(tp_group):
+def test_every_rank_gets_rank0_tokens(tp_group, monkeypatch):
     assert tp_group.size > 1
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
     rank = tp_group.rank
@@ -27,7 +27,11 @@ def test_every_rank_gets_rank0_tokens(tp_group):
     args = [t.to(device) for t in (
         rank_logits(rank), temperatures, torch.full((ROWS,), TOP_K), torch.full((ROWS,), 0.95),
         torch.arange(ROWS) + 1000 * rank, torch.full((ROWS,), rank))]  # seeds and steps differ per rank too
+    calls = []
+    real_sample = Sampler._sample
+    monkeypatch.setattr(Sampler, "_sample", staticmethod(lambda *a: calls.append(1) or real_sample(*a)))
     ids = Sampler(tp_group)(*args).cpu()
+    assert len(calls) == (1 if rank == 0 else 0), f"rank {rank} sampled {len(calls)} times"
 
     truth = rank_logits(0).to(torch.float64)
     greedy = temperatures == 0
