@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conftest import TINY_CONFIGS
+from phases.checkpoints import TINY_CONFIGS
 from engine.config import ModelConfig
 
 

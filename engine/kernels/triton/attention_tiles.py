@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 # Finite stand-in for -inf as the initial running max: keeps exp2(m_old - m_new) = 0 without NaNs.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 def head_dim_blocks(head_dim: int) -> tuple[int, int]:

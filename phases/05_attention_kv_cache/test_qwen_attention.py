@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from conftest import randomize_weights
+from phases.checkpoints import randomize_weights
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.models.qwen import QwenAttention, QwenForCausalLM
