@@ -124,3 +124,44 @@ def load_engine_model(model_dir, tp=None, device="cpu", dtype=None):
 def all_logits_step(model):
     """A ``run_paged`` step returning the logits of every token."""
     return lambda ids, positions: model.compute_logits(model(ids, positions))
+
+
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+)
+
+
+def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
+    """HF's Qwen3ForCausalLM at full Qwen3-8B size with random weights (HF's
+    init, norms 1 + 0.1*randn), built on ``device``, and our model holding the
+    same weights (loaded through the checkpoint loader).
+
+    HF is built under ``dtype`` as the default dtype, as ``from_pretrained``
+    does, never by ``.to(dtype)``: that would also round its rotary
+    ``inv_freq`` buffer to bf16 (2% error in q/k after RoPE at position 5,
+    growing with position) and make HF a wrong reference."""
+    import transformers
+
+    from engine.loader import load_weights
+    from engine.models.registry import build_model
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.Qwen3Config(**QWEN3_8B)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+    config = ModelConfig.from_dict({**hf_cfg.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
+    ours = build_model(config, device, dtype)
+    load_weights(ours, ((n, p.detach()) for n, p in hf.named_parameters()), progress=False)
+    return hf, ours

@@ -6,9 +6,12 @@ Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
 and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
 at decode and prefill sizes. Times are medians of CUDA-event timings from
 triton.testing.do_bench, which clears the L2 cache before every call, so no
-timing measures data left in L2. Memory-bound ops report GB/s (bytes read +
-written once) and the share of a device-to-device copy measured in the same
-run; prefill attention reports TFLOP/s against torch's own varlen_attn.
+timing measures data left in L2. Our kernels are timed as CUDA-graph replays
+(their own time, as graph-captured decode runs them) and eagerly (with
+Python's launch cost); torch's reference eagerly. Memory-bound ops report GB/s
+(bytes read + written once) and the share of a device-to-device copy measured
+in the same run; prefill attention (eager) reports TFLOP/s against torch's own
+varlen_attn.
 """
 from __future__ import annotations
 
@@ -35,6 +38,17 @@ def median_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(fn) -> float:
+    """Median time of ``fn`` captured in a CUDA graph and replayed (the L2 is cleared before each
+    replay): the kernels' own time without Python launch gaps, as graph-captured decode runs them."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
 def rand(*shape) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=DTYPE)
 
@@ -45,8 +59,14 @@ def copy_gbps() -> float:
     return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def row(results, op, model, shape, ours_ms, torch_ms, nbytes=None, flops=None, copy=None, baseline=None):
-    entry = dict(op=op, model=model, shape=shape, ours_us=ours_ms * 1e3, torch_eager_us=torch_ms * 1e3)
+def row(results, op, model, shape, ours_fn, torch_fn, nbytes=None, flops=None, copy=None, baseline=None,
+        graph=True):
+    """Time ``ours_fn`` (in a CUDA graph when ``graph``, else eager; eager always as well) and the torch
+    eager reference ``torch_fn``; bandwidth and FLOP rates use the first time."""
+    ours_eager_ms = median_ms(ours_fn)
+    ours_ms = graph_ms(ours_fn) if graph else ours_eager_ms
+    entry = dict(op=op, model=model, shape=shape, ours_us=ours_ms * 1e3, ours_eager_us=ours_eager_ms * 1e3,
+                 timing="graph" if graph else "eager", torch_eager_us=median_ms(torch_fn) * 1e3)
     if nbytes is not None:
         entry["gbps"] = nbytes / ours_ms / 1e6
         entry["pct_copy"] = 100 * entry["gbps"] / copy
@@ -64,16 +84,16 @@ def bench_elementwise(results, copy):
             x, res, w = rand(tokens, hidden), rand(tokens, hidden), 1 + 0.1 * rand(hidden)
             out = torch.empty_like(x)
             nbytes = 2 * x.numel() * 2
-            row(results, "rms_norm", model, f"T={tokens} H={hidden}", median_ms(lambda: ours.rms_norm(out, x, w, eps)),
-                median_ms(lambda: reference.rms_norm(out, x, w, eps)), nbytes, copy=copy)
+            row(results, "rms_norm", model, f"T={tokens} H={hidden}", lambda: ours.rms_norm(out, x, w, eps),
+                lambda: reference.rms_norm(out, x, w, eps), nbytes, copy=copy)
             row(results, "fused_add_rms_norm", model, f"T={tokens} H={hidden}",
-                median_ms(lambda: ours.fused_add_rms_norm(x, res, w, eps)),
-                median_ms(lambda: reference.fused_add_rms_norm(x, res, w, eps)), 2 * nbytes, copy=copy)
+                lambda: ours.fused_add_rms_norm(x, res, w, eps),
+                lambda: reference.fused_add_rms_norm(x, res, w, eps), 2 * nbytes, copy=copy)
     inter = QWEN["intermediate"]
     for tokens in (64, 4096):
         x, out = rand(tokens, 2 * inter), torch.empty(tokens, inter, device="cuda", dtype=DTYPE)
-        row(results, "silu_and_mul", "qwen3-8b", f"T={tokens} I={inter}", median_ms(lambda: ours.silu_and_mul(out, x)),
-            median_ms(lambda: reference.silu_and_mul(out, x)), 3 * out.numel() * 2, copy=copy)
+        row(results, "silu_and_mul", "qwen3-8b", f"T={tokens} I={inter}", lambda: ours.silu_and_mul(out, x),
+            lambda: reference.silu_and_mul(out, x), 3 * out.numel() * 2, copy=copy)
 
 
 def bench_rotary_and_store(results, copy):
@@ -85,14 +105,14 @@ def bench_rotary_and_store(results, copy):
         v = qkv[:, (hq + hk) * d:].view(tokens, hk, d)
         pos = torch.randint(0, 40960, (tokens,), device="cuda")
         row(results, "rotary (neox)", "qwen3-8b", f"T={tokens}",
-            median_ms(lambda: ours.rotary_embedding(pos, q, k, d, cache, True)),
-            median_ms(lambda: reference.rotary_embedding(pos, q, k, d, cache, True)), 2 * (hq + hk) * d * tokens * 2,
+            lambda: ours.rotary_embedding(pos, q, k, d, cache, True),
+            lambda: reference.rotary_embedding(pos, q, k, d, cache, True), 2 * (hq + hk) * d * tokens * 2,
             copy=copy)
         k_cache, v_cache = rand(tokens // 16 + 8, 16, hk, d), rand(tokens // 16 + 8, 16, hk, d)
         slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:tokens]
         row(results, "store_kv_cache", "qwen3-8b", f"T={tokens}",
-            median_ms(lambda: ours.store_kv_cache(k, v, k_cache, v_cache, slots)),
-            median_ms(lambda: reference.store_kv_cache(k, v, k_cache, v_cache, slots)), 4 * hk * d * tokens * 2,
+            lambda: ours.store_kv_cache(k, v, k_cache, v_cache, slots),
+            lambda: reference.store_kv_cache(k, v, k_cache, v_cache, slots), 4 * hk * d * tokens * 2,
             copy=copy)
     scaling = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -103,8 +123,8 @@ def bench_rotary_and_store(results, copy):
         q_pe, k_pe = q[..., DSV2["nope"]:], latent[..., DSV2["kv_lora"]:]
         pos = torch.randint(0, 163840, (tokens,), device="cuda")
         row(results, "rotary (gptj yarn)", "dsv2-lite", f"T={tokens}",
-            median_ms(lambda: ours.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False)),
-            median_ms(lambda: reference.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False)),
+            lambda: ours.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False),
+            lambda: reference.rotary_embedding(pos, q_pe, k_pe, DSV2["rope"], cache, False),
             2 * (DSV2["heads"] + 1) * DSV2["rope"] * tokens * 2, copy=copy)
 
 
@@ -126,12 +146,13 @@ def bench_decode(results, copy):
         contiguous_k, contiguous_v = rand(batch, hk, ctx, d), rand(batch, hk, ctx, d)
         sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], contiguous_k, contiguous_v,
                                                                    enable_gqa=True))
+        nbytes = 2 * batch * ctx * hk * d * 2
         for block_size in (16, 256):
             k_cache, v_cache, tables, lens = paged_inputs(batch, ctx, block_size, hk, d, d)
             args = (q, k_cache, v_cache, tables, lens, d ** -0.5)
             row(results, "paged_decode", "qwen3-8b", f"B={batch} ctx={ctx} bs={block_size}",
-                median_ms(lambda: ours.paged_decode_attention(*args)),
-                median_ms(lambda: reference.paged_decode_attention(*args)), 2 * batch * ctx * hk * d * 2, copy=copy,
+                lambda: ours.paged_decode_attention(*args),
+                lambda: reference.paged_decode_attention(*args), nbytes, copy=copy,
                 baseline={"sdpa_contiguous_us": sdpa_ms * 1e3})
     width = DSV2["kv_lora"] + DSV2["rope"]
     for batch in (1, 8, 64):
@@ -140,8 +161,8 @@ def bench_decode(results, copy):
             k_cache, _, tables, lens = paged_inputs(batch, ctx, block_size, 1, width, None)
             args = (q, k_cache, None, tables, lens, (DSV2["nope"] + DSV2["rope"]) ** -0.5, DSV2["kv_lora"])
             row(results, "paged_decode (MLA)", "dsv2-lite", f"B={batch} ctx={ctx} bs={block_size}",
-                median_ms(lambda: ours.paged_decode_attention(*args)),
-                median_ms(lambda: reference.paged_decode_attention(*args)), batch * ctx * width * 2, copy=copy)
+                lambda: ours.paged_decode_attention(*args),
+                lambda: reference.paged_decode_attention(*args), batch * ctx * width * 2, copy=copy)
 
 
 def bench_prefill(results):
@@ -167,8 +188,8 @@ def bench_prefill(results):
             triton_ms = median_ms(lambda: flash_varlen_attention(*args))
             baseline = {"torch_varlen_tflops": flops / torch_ms / 1e9, "triton_kernel_tflops": flops / triton_ms / 1e9}
         row(results, "varlen_prefill", model, f"T={tokens} {hq}q/{hk}kv d={d}/{dv} causal",
-            median_ms(lambda: ours.varlen_attention(*args)), median_ms(lambda: reference.varlen_attention(*args)),
-            flops=flops, baseline=baseline)
+            lambda: ours.varlen_attention(*args), lambda: reference.varlen_attention(*args),
+            flops=flops, baseline=baseline, graph=False)
 
 
 def main() -> None:
@@ -189,13 +210,15 @@ def main() -> None:
     if opts.json:
         opts.json.write_text(json.dumps(report, indent=1))
     print(f"{report['device']}  torch {torch.__version__}  device-to-device copy {copy:.0f} GB/s")
-    print(f"{'op':22} {'model':9} {'shape':34} {'ours us':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'eager us':>9}  extra")
+    print("ours us: CUDA-graph replay (eager for varlen prefill); %copy from it; eager: Python launches")
+    print(f"{'op':22} {'model':9} {'shape':34} {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'TFLOP/s':>7} "
+          f"{'eager us':>8} {'torch us':>9}  extra")
     for r in results:
         extra = {k: round(v, 1) for k, v in r.items() if k in ("sdpa_contiguous_us", "torch_varlen_tflops",
                                                                   "triton_kernel_tflops")}
-        print(f"{r['op']:22} {r['model']:9} {r['shape']:34} {r['ours_us']:9.1f} {r.get('gbps', float('nan')):7.0f} "
-              f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):8.1f} "
-              f"{r['torch_eager_us']:9.1f}  {extra or ''}")
+        print(f"{r['op']:22} {r['model']:9} {r['shape']:34} {r['ours_us']:8.1f} {r.get('gbps', float('nan')):6.0f} "
+              f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):7.1f} "
+              f"{r['ours_eager_us']:8.1f} {r['torch_eager_us']:9.1f}  {extra or ''}")
     print(json.dumps({"copy_gbps": round(copy), "n_results": len(results)}))
 
 

@@ -20,6 +20,9 @@ echo "== Qwen3-8B shape vs HF"
 timeout 300 python3 -m pytest -m cuda -q -s -p no:cacheprovider phases/07_weight_loading/test_cuda_qwen3_8b.py \
     2>&1 | tee "$OUT/qwen3_8b.log" | grep -E "QWEN3_8B_FIGURES|passed|failed|Error" || status=1
 
+echo "== layer-by-layer drift vs HF"
+timeout 200 python3 scripts/compare_hf_layers.py 2>&1 | tee "$OUT/layers.log" | tail -40 || status=1
+
 echo "== kernel benchmark"
 timeout 300 python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

@@ -66,21 +66,26 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, out_stride0, out_stride1,
-                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the splits of one (sequence, head), BLOCK_S splits per vectorised step."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
     dv = tl.arange(0, BLOCK_DV)
-    m = tl.full([1], NEG_BIG, tl.float32)
-    weight_sum = tl.zeros([1], tl.float32)
+    s = tl.arange(0, BLOCK_S)
+    m = tl.max(tl.full([BLOCK_S], NEG_BIG, tl.float32), axis=0)
+    weight_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_DV], tl.float32)
-    for split in range(num_splits):
-        lse = tl.load(part_lse_ptr + row * num_splits + split + tl.zeros([1], tl.int32))
-        part = tl.load(part_out_ptr + (row * num_splits + split) * V_DIM + dv, mask=dv < V_DIM, other=0.0)
-        m_new = tl.maximum(m, lse)
+    for chunk in range(0, num_splits, BLOCK_S):
+        splits = chunk + s
+        ok = splits < num_splits
+        lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
+        part = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * V_DIM + dv[None, :],
+                       mask=ok[:, None] & (dv < V_DIM)[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        acc = acc * alpha + w * part
-        weight_sum = weight_sum * alpha + w
+        acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
+        weight_sum = weight_sum * alpha + tl.sum(w, axis=0)
         m = m_new
     tl.store(out_ptr + seq * out_stride0 + head * out_stride1 + dv, (acc / weight_sum).to(out_ptr.dtype.element_ty),
              mask=dv < V_DIM)
@@ -126,6 +131,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
         num_warps=4, num_stages=2)
     out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_dv))
     _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-                                             V_DIM=v_dim, BLOCK_DV=block_dv)
+                                             V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s)
     return out
