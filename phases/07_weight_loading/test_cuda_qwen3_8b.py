@@ -1,6 +1,15 @@
 """Qwen3-8B-shaped model (full config, random bf16 weights built on the GPU)
 against HF transformers with the same weights: prefill + 32 teacher-forced
-decode steps through the paged cache. Runs on the lent H200."""
+decode steps through the paged cache. Runs on the lent H200.
+
+The truth is HF's model in float32 on the same weights. A random-weight model
+has nearly flat logits (top-2 gaps of ~0.2 logit standard deviations over
+151936 tokens), so bf16 rounding alone flips the top-1 token often: HF's own
+bf16 run agrees with its float32 run on only ~83% of steps here. The check
+is therefore relative: our bf16 engine must be at least as close to the
+float32 truth as HF transformers in bf16 — in logits error and in top-1
+agreement — and the figures (including top-1 agreement with HF bf16) are
+printed for the record."""
 import json
 
 import pytest
@@ -10,6 +19,7 @@ from engine.kv_cache import bind_kv_cache
 from phases.harness import all_logits_step, num_blocks_for, random_qwen3_8b_pair, rel_err, run_paged
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
 
 def test_qwen3_8b_shape_matches_hf_with_teacher_forcing(monkeypatch):
     hf, ours = random_qwen3_8b_pair()
@@ -43,7 +53,7 @@ def test_qwen3_8b_shape_matches_hf_with_teacher_forcing(monkeypatch):
             "rel_err_decode_rows": rel_err(decode(xs), decode(truth)),
         }
     print("QWEN3_8B_FIGURES " + json.dumps(figures))
-    assert figures["ours_triton"]["top1_vs_hf_fp32"] >= 0.95
-    assert figures["top1_ours_triton_vs_hf_bf16"] >= 0.95
-    # at least as close to the float32 truth as HF's own bf16 run
-    assert figures["ours_triton"]["rel_err_decode_rows"] <= 1.1 * figures["hf_bf16"]["rel_err_decode_rows"]
+    ours_fig, hf_fig = figures["ours_triton"], figures["hf_bf16"]
+    for rows in ("rel_err_prefill_rows", "rel_err_decode_rows"):
+        assert ours_fig[rows] <= 1.05 * hf_fig[rows]
+    assert ours_fig["top1_vs_hf_fp32"] >= hf_fig["top1_vs_hf_fp32"] - 0.03
