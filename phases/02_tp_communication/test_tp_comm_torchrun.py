@@ -66,3 +66,22 @@ def test_custom_all_reduce_init_on_cpu_leaves_the_fallback_working(tp_group):
     x = rank_input(tp_group.rank, (9,))
     expected = sum(rank_input(r, (9,)).double() for r in range(tp_group.size))
     torch.testing.assert_close(all_reduce_sum(x).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("numel", [8, 64 << 10, 2 << 20, 8 << 20], ids=["tiny", "one-shot", "two-shot", "nccl"])
+def test_cuda_all_reduce_is_exact_on_every_path(tp_group, numel, capsys):
+    """On GPUs (NCCL, with the custom all-reduce initialised when it can be): message sizes that take
+    the one-shot, two-shot and NCCL paths all return the sum of every rank's input."""
+    import engine.distributed as distributed
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    init_custom_all_reduce(device)
+    with capsys.disabled():
+        print(f"rank {tp_group.rank}: custom all-reduce {'active' if distributed._custom_all_reduce else 'off (NCCL)'}")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = rank_input(tp_group.rank, (numel,), dtype).to(device)
+        out = all_reduce_sum(x)
+        expected = sum(rank_input(r, (numel,), dtype).double() for r in range(tp_group.size))
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
