@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
     Without a residual: `out = rms_norm(x) * weight` (a new tensor) and the
     returned residual is `x` itself (the first layer's residual stream).
     With one: `residual += x; out = rms_norm(residual) * weight`, both in place
-    (`out` is `x`). Normalises over the last dim; `x` must be contiguous.
+    (`out` is `x`). Normalises over the last dim; `x` needs a unit last stride
+    (strided rows such as per-head views of a fused QKV output are fine).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
