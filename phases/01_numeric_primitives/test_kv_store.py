@@ -9,12 +9,15 @@ from primitives_checks import rand, run_cases
 
 def test_store_kv_cache_writes_slots_and_skips_padding(target):
     def check(case):
-        tokens, kv_heads, head_dim, block_size, with_value, padding_share, seed = case
+        tokens, kv_heads, head_dim, block_size, with_value, padding_share, strided, seed = case
         gen = torch.Generator().manual_seed(seed)
         num_blocks = tokens // block_size + 2
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
         slots[torch.rand(tokens, generator=gen) < padding_share] = -1
         key = rand(gen, tokens, kv_heads, head_dim, target=target)
+        if strided:  # K as a per-head view of a wider fused projection output (row stride > Hk * D)
+            key = torch.cat([key.flatten(1), torch.zeros_like(key.flatten(1))], dim=1)[:, : kv_heads * head_dim]
+            key = key.view(tokens, kv_heads, head_dim)
         value = rand(gen, tokens, kv_heads, head_dim // 2, target=target) if with_value else None
         k_cache = rand(gen, num_blocks, block_size, kv_heads, head_dim, target=target)  # random, never zeros
         v_cache = rand(gen, num_blocks, block_size, kv_heads, head_dim // 2, target=target) if with_value else None
@@ -31,4 +34,4 @@ def test_store_kv_cache_writes_slots_and_skips_padding(target):
 
     run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([1, 2, 8]),
                                 st.sampled_from([64, 128, 576]), st.sampled_from([16, 256]), st.booleans(),
-                                st.sampled_from([0.0, 0.3, 1.0]), st.integers(0, 2**31 - 1)), check)
+                                st.sampled_from([0.0, 0.3, 1.0]), st.booleans(), st.integers(0, 2**31 - 1)), check)

@@ -5,41 +5,52 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
-_ELEMENTS_PER_PROGRAM = 8192
+_ELEMENTS_PER_PROGRAM = 4096
 
 
 @triton.jit
-def _store_kernel(src_ptr, cache_ptr, slots_ptr, num_tokens, row_width, head_dim, src_stride0, src_stride1,
-                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS tokens x BLOCK elements of their [Hk * D] rows per program."""
+def _store_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_tokens, num_heads,
+                  k_stride0, k_stride1, v_stride0, v_stride1,
+                  HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
+    """Program (token block, head): ROWS tokens' K (and V) rows of one head; K and V in one launch."""
     tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    head = tl.program_id(1)
     live = tokens < num_tokens
     slots = tl.load(slots_ptr + tokens, mask=live, other=-1).to(tl.int64)
-    in_row = (offsets < row_width)[None, :]
-    src = src_ptr + tokens[:, None] * src_stride0 + ((offsets // head_dim) * src_stride1 + offsets % head_dim)[None, :]
-    rows = tl.load(src, mask=live[:, None] & in_row)
-    tl.store(cache_ptr + slots[:, None] * row_width + offsets[None, :], rows, mask=(slots >= 0)[:, None] & in_row)
+    keep = (slots >= 0)[:, None]
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_ptr + (tokens * k_stride0 + head * k_stride1)[:, None] + d[None, :],
+                mask=live[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(k_cache_ptr + ((slots * num_heads + head) * HEAD_DIM)[:, None] + d[None, :], k,
+             mask=keep & (d < HEAD_DIM)[None, :])
+    if HAS_V:
+        dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_ptr + (tokens * v_stride0 + head * v_stride1)[:, None] + dv[None, :],
+                    mask=live[:, None] & (dv < V_DIM)[None, :])
+        tl.store(v_cache_ptr + ((slots * num_heads + head) * V_DIM)[:, None] + dv[None, :], v,
+                 mask=keep & (dv < V_DIM)[None, :])
 
 
-def _store(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _rows(src: torch.Tensor, cache: torch.Tensor, name: str) -> torch.Tensor:
+    """``src`` as [T, Hk, D] matching ``cache`` [blocks, block_size, Hk, D]; checks layout and dtype."""
     if not cache.is_contiguous() or cache.dtype != src.dtype:
-        raise ValueError(f"store_kv_cache: cache must be contiguous and {src.dtype} (got {cache.dtype})")
-    rows = src.view(src.shape[0], -1, cache.shape[-1])
+        raise ValueError(f"store_kv_cache: {name} cache must be contiguous and {src.dtype} (got {cache.dtype})")
+    rows = src.view(src.shape[0], cache.shape[2], cache.shape[3])
     if rows.stride(-1) != 1:
-        raise ValueError("store_kv_cache: key/value need a contiguous last dim")
-    row_width = cache.shape[2] * cache.shape[3]
-    block = min(_BLOCK, triton.next_power_of_2(row_width))
-    per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
-    num_tokens = rows.shape[0]
-    _store_kernel[(triton.cdiv(num_tokens, per_program), triton.cdiv(row_width, block))](
-        rows, cache, slot_mapping, num_tokens, row_width, cache.shape[3], rows.stride(0), rows.stride(1),
-        ROWS=per_program, BLOCK=block)
+        raise ValueError(f"store_kv_cache: {name} needs a contiguous last dim")
+    return rows
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
-    _store(key, k_cache, slot_mapping)
-    if value is not None:
-        _store(value, v_cache, slot_mapping)
+    k = _rows(key, k_cache, "key")
+    v = _rows(value, v_cache, "value") if value is not None else k
+    num_tokens, num_heads, head_dim = k.shape
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v.shape[2])
+    rows = max(1, _ELEMENTS_PER_PROGRAM // max(block_d, block_dv))
+    _store_kernel[(triton.cdiv(num_tokens, rows), num_heads)](
+        k, v, k_cache, v_cache if value is not None else k_cache, slot_mapping, num_tokens, num_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HEAD_DIM=head_dim, V_DIM=v.shape[2], ROWS=rows, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_V=value is not None)

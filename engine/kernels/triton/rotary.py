@@ -17,6 +17,30 @@ def _rotate_heads(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin, fi
 
 
 @triton.jit
+def _rotate_heads_interleaved(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin,
+                              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """GPT-J pairs (2i, 2i + 1): one contiguous load per head row, split into even/odd lanes in registers
+    (two stride-2 loads would waste half of every memory transaction)."""
+    cols = tl.arange(0, 2 * BLOCK_HALF)
+    base = token * stride0 + heads[:, None] * stride1
+    mask = (heads < num_heads)[:, None] & (cols < 2 * HALF)[None, :]
+    x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(x, (BLOCK_HEADS, BLOCK_HALF, 2)))
+    y = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_HEADS, 2 * BLOCK_HALF))
+    tl.store(x_ptr + base + cols[None, :], y.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin, pair, pair_mask,
+            HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, IS_NEOX: tl.constexpr):
+    if IS_NEOX:
+        _rotate_heads(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin, pair, pair + HALF, pair_mask)
+    else:
+        _rotate_heads_interleaved(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin,
+                                  HALF, BLOCK_HALF, BLOCK_HEADS)
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, num_q_heads, num_k_heads, q_head_blocks,
                    q_stride0, q_stride1, k_stride0, k_stride1, cache_stride,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
@@ -29,16 +53,14 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, num_q_heads, num_k_he
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cache_ptr + position * cache_stride + pair, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + position * cache_stride + HALF + pair, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
-    if IS_NEOX:
-        first, second = pair, pair + HALF
-    else:
-        first, second = 2 * pair, 2 * pair + 1
     if head_block < q_head_blocks:
         heads = head_block * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-        _rotate_heads(q_ptr, token, heads, num_q_heads, q_stride0, q_stride1, cos, sin, first, second, pair_mask)
+        _rotate(q_ptr, token, heads, num_q_heads, q_stride0, q_stride1, cos, sin, pair, pair_mask,
+                HALF, BLOCK_HALF, BLOCK_HEADS, IS_NEOX)
     else:
         heads = (head_block - q_head_blocks) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-        _rotate_heads(k_ptr, token, heads, num_k_heads, k_stride0, k_stride1, cos, sin, first, second, pair_mask)
+        _rotate(k_ptr, token, heads, num_k_heads, k_stride0, k_stride1, cos, sin, pair, pair_mask,
+                HALF, BLOCK_HALF, BLOCK_HEADS, IS_NEOX)
 
 
 def _heads_view(x: torch.Tensor, head_size: int) -> torch.Tensor:
