@@ -31,24 +31,6 @@ if HAS_TRITON and not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_triton_interpreter() -> None:
-    """Triton 3.6's interpreter calls int() on one-element arrays (loop bounds held in
-    tensors), which numpy >= 2.4 rejects; make it take the element instead."""
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if HAS_TRITON and not HAS_CUDA:
-    _patch_triton_interpreter()
-
-
 @dataclass(frozen=True)
 class Target:
     name: str
