@@ -47,8 +47,9 @@ def reset_context() -> None:
     _CONTEXT = None
 
 
-def _slots(block_table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def _slots(block_table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
+    """Flat cache slots of token positions of one sequence (int64 CPU tensors)."""
+    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
@@ -57,43 +58,48 @@ def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
     """Positions [T] (int64) and the context for prefilling sequences of
     `seq_lens` tokens whose first `cached_lens` tokens are already in the cache.
     T = sum(seq_lens - cached_lens); the K/V of the new tokens go to their slots.
+    Built on the host, then copied to `device` once per tensor.
     """
-    positions, slots, cu_q, cu_k, kv_slots = [], [], [0], [0], []
+    positions, slots, kv_slots = [], [], []
     for n, cached, table in zip(seq_lens, cached_lens, block_tables, strict=True):
         if not 0 <= cached < n:
             raise ValueError(f"cached tokens ({cached}) must be in [0, {n}) for a sequence of {n} tokens")
         if len(table) * block_size < n:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {n} tokens")
-        positions.extend(range(cached, n))
-        slots.extend(_slots(table, block_size, cached, n))
-        kv_slots.extend(_slots(table, block_size, 0, n))
-        cu_q.append(cu_q[-1] + n - cached)
-        cu_k.append(cu_k[-1] + n)
-    as_tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)
+        table = torch.tensor(table, dtype=torch.int64)
+        every = torch.arange(n)
+        positions.append(every[cached:])
+        kv_slots.append(_slots(table, block_size, every))
+        slots.append(kv_slots[-1][cached:])
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    q_lens = seq_lens_t - torch.tensor(cached_lens, dtype=torch.int32)
+    cumsum = lambda lens: torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
     ctx = AttentionContext(
         is_prefill=True,
-        slot_mapping=as_tensor(slots, torch.int64),
-        cu_seqlens_q=as_tensor(cu_q, torch.int32),
-        cu_seqlens_k=as_tensor(cu_k, torch.int32),
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_seqlen_k=max(seq_lens),
-        prefill_kv_slots=as_tensor(kv_slots, torch.int64) if any(cached_lens) else None,
+        slot_mapping=torch.cat(slots).to(device),
+        cu_seqlens_q=cumsum(q_lens).to(device),
+        cu_seqlens_k=cumsum(seq_lens_t).to(device),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=int(seq_lens_t.max()),
+        prefill_kv_slots=torch.cat(kv_slots).to(device) if any(cached_lens) else None,
     )
-    return as_tensor(positions, torch.int64), ctx
+    return torch.cat(positions).to(device), ctx
 
 
 def decode_context(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
                    device: torch.device | str) -> tuple[torch.Tensor, AttentionContext]:
     """Positions [B] and the context for one decode token per sequence; the
-    token of sequence i sits at position context_lens[i] - 1."""
+    token of sequence i sits at position context_lens[i] - 1. Block tables are
+    padded with block 0 to the widest (entries past a context are never read)."""
     width = max(len(t) for t in block_tables)
-    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-    positions = [n - 1 for n in context_lens]
-    slots = [_slots(t, block_size, p, p + 1)[0] for t, p in zip(block_tables, positions, strict=True)]
+    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    positions = lens - 1
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
     ctx = AttentionContext(
         is_prefill=False,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device=device, dtype=torch.int32),
+        context_lens=lens.to(device=device, dtype=torch.int32),
     )
-    return torch.tensor(positions, dtype=torch.int64, device=device), ctx
+    return positions.to(device), ctx

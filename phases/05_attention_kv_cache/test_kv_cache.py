@@ -1,4 +1,5 @@
-"""KV cache sizing: from the workload, capped by memory, bound once per layer."""
+"""KV cache sizing (from the workload, capped by memory, bound once per layer) and the
+per-step attention context that maps tokens onto the paged cache."""
 import math
 
 import pytest
@@ -55,3 +56,29 @@ def test_bind_gives_every_layer_its_own_paged_cache():
         assert layer.v_cache.data_ptr() == cache[1].data_ptr()
     ptrs = {l.k_cache.data_ptr() for l in layers} | {l.v_cache.data_ptr() for l in layers}
     assert len(ptrs) == 2 * len(layers)
+
+
+def test_step_context_rejects_impossible_layouts():
+    from engine.attention_context import prefill_context
+
+    with pytest.raises(ValueError, match="cached tokens"):
+        prefill_context([5], [5], [[0]], 16, "cpu")  # nothing left to compute
+    with pytest.raises(ValueError, match="cannot hold"):
+        prefill_context([17], [0], [[0]], 16, "cpu")  # 17 tokens in one 16-slot block
+
+
+def test_step_context_maps_tokens_to_their_blocks():
+    """Slots follow each sequence's own (non-contiguous) block table; cu_seqlens
+    count only the new tokens for queries and every token for keys."""
+    from engine.attention_context import decode_context, prefill_context
+
+    positions, ctx = prefill_context([3, 18], [0, 16], [[7], [2, 5]], 16, "cpu")
+    assert positions.tolist() == [0, 1, 2, 16, 17]
+    assert ctx.slot_mapping.tolist() == [112, 113, 114, 80, 81]
+    assert ctx.cu_seqlens_q.tolist() == [0, 3, 5] and ctx.cu_seqlens_k.tolist() == [0, 3, 21]
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (3, 18)
+    assert ctx.prefill_kv_slots.tolist() == [112, 113, 114] + list(range(32, 48)) + [80, 81]
+    positions, ctx = decode_context([4, 17], [[7], [2, 5]], 16, "cpu")
+    assert positions.tolist() == [3, 16] and ctx.slot_mapping.tolist() == [115, 80]
+    assert ctx.block_tables.dtype == ctx.context_lens.dtype == torch.int32
+    assert ctx.block_tables.tolist() == [[7, 0], [2, 5]] and ctx.context_lens.tolist() == [4, 17]
