@@ -39,6 +39,7 @@ class Scheduler:
         self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._in_flight: list[Sequence] = []  # the batch between schedule() and postprocess()
 
     def add(self, seq: Sequence) -> bool:
         """Queue a WAITING sequence; False (and status REJECTED with ``reject_reason``)
@@ -60,24 +61,32 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The sequences to run this step and whether it is a prefill; ``([], False)``
-        when nothing is waiting that fits and nothing is running."""
-        batch = self._admit_waiting()
-        if batch:
-            return batch, True
-        for seq in self.running:
-            self.block_manager.append_slot(seq)
-        return list(self.running), False
+        when nothing is waiting that fits and nothing is running. A non-empty batch
+        must be passed to ``postprocess`` before the next ``schedule``: its blocks'
+        K/V exist only once the model has run (prefix hits rely on that)."""
+        if self._in_flight:
+            raise RuntimeError("schedule() called again before postprocess() of the previous batch")
+        batch, is_prefill = self._admit_waiting(), True
+        if not batch:
+            for seq in self.running:
+                self.block_manager.append_slot(seq)
+            batch, is_prefill = list(self.running), False
+        self._in_flight = batch
+        return batch, is_prefill
 
     def postprocess(self, seqs: list[Sequence], is_prefill: bool, token_ids: list[int]) -> list[Sequence]:
         """Append one new token per scheduled sequence; finish (and free) those that
         sampled EOS (unless ignore_eos) or a stop token id, or reached max_tokens or
-        max_model_len. Sequences aborted since ``schedule`` are skipped. Returns the
-        sequences this step finished."""
+        max_model_len. Sequences aborted since ``schedule`` get no token; their blocks,
+        whose K/V this step wrote, are freed now. Returns the sequences this step
+        finished."""
         if len(seqs) != len(token_ids):
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
+        self._in_flight = []
         finished = []
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
+                self.block_manager.free(seq)
                 continue
             seq.output_token_ids.append(token_id)
             reason = self._finish_reason(seq, token_id)
@@ -93,13 +102,16 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: str) -> bool:
-        """Finish a waiting or running sequence with reason "abort" and free its blocks;
+        """Finish a waiting or running sequence with reason "abort" and free its blocks
+        (for a sequence in the batch being run: at that batch's ``postprocess``, once
+        its K/V is written, so no prefix hit can land on blocks never computed);
         False when no unfinished sequence has this id."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.block_manager.free(seq)
+                    if not any(seq is s for s in self._in_flight):
+                        self.block_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
                     return True

@@ -77,7 +77,8 @@ class Sampler(nn.Module):
     def _sample(logits, temperatures, top_ks, top_ps, seeds, steps) -> torch.Tensor:
         vocab_size = logits.shape[1]
         greedy = logits.argmax(dim=-1)
-        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+        # below 1e-5 a temperature is a greedy pick anyway; clamping keeps logits / t finite
+        scaled = logits / torch.where(temperatures > 0, temperatures.clamp(min=1e-5), 1.0)[:, None]
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab_size, device=logits.device)
         k = torch.where(top_ks > 0, top_ks.clamp(max=vocab_size), vocab_size)

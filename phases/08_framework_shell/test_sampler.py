@@ -125,7 +125,7 @@ def test_temperature_towards_zero_matches_greedy():
     logits = torch.stack([torch.randperm(vocab, generator=gen) * 0.05 for _ in range(rows)]).float()
     greedy = sample(logits, temperature=0.0)
     assert torch.equal(greedy, logits.argmax(dim=1))
-    for temperature in (1e-3, 1e-4):
+    for temperature in (1e-3, 1e-4, 1e-38):  # 1e-38 would overflow logits / t without a floor
         assert torch.equal(sample(logits, temperature=temperature, seeds=torch.arange(rows) + 5), greedy)
 
 

@@ -195,6 +195,8 @@ def test_impossible_prompts_are_rejected_while_others_proceed():
 
 
 def test_abort_frees_blocks_wherever_the_sequence_is():
+    """Waiting: freed at once. In the batch being run: finished at once, its blocks
+    freed at that batch's postprocess (when their K/V exists)."""
     sched, bm = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=1)
     params = SamplingParams(max_tokens=2)
     running, waiting = Sequence([1, 2, 3], params), Sequence([4, 5, 6], params)
@@ -202,12 +204,31 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     sched.add(waiting)
     batch, _ = sched.schedule()
     assert batch == [running] and bm.num_free_blocks < 8
+    held = bm.num_free_blocks
     assert sched.abort(waiting.request_id) and waiting.finish_reason == "abort"
     assert sched.abort(running.request_id) and running.status is S.FINISHED
-    assert running.block_table == [] and bm.num_free_blocks == 8
+    assert bm.num_free_blocks == held  # still being computed
     assert not sched.abort(running.request_id) and not sched.abort("unknown")
-    assert sched.postprocess(batch, True, [1]) == []  # aborted after schedule: skipped
-    assert running.output_token_ids == [] and not sched.has_unfinished()
+    assert sched.postprocess(batch, True, [1]) == []  # aborted after schedule: no token
+    assert running.output_token_ids == [] and running.block_table == [] and bm.num_free_blocks == 8
+    assert not sched.has_unfinished()
+
+
+def test_abort_in_flight_never_lets_a_prefix_hit_land_on_uncomputed_blocks():
+    """A request aborted while its prefill runs keeps its blocks until the step is
+    postprocessed, so a later request with the same prefix hits only computed K/V."""
+    sched, bm = make_scheduler(num_blocks=16, block_size=4)
+    first = Sequence(list(range(1, 9)), SamplingParams(max_tokens=4))
+    sched.add(first)
+    batch, _ = sched.schedule()
+    sched.abort(first.request_id)
+    with pytest.raises(RuntimeError, match="postprocess"):
+        sched.schedule()  # the engine must finish the step before scheduling the next
+    sched.postprocess(batch, True, [1])
+    second = Sequence(list(range(1, 10)), SamplingParams(max_tokens=4))
+    sched.add(second)
+    batch, _ = sched.schedule()
+    assert batch == [second] and second.num_cached_tokens == 8  # computed by first's finished step
 
 
 def test_waiting_request_is_prefilled_before_running_ones_decode():
