@@ -99,6 +99,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
     `weight_loader(param, tensor, shard_id)`; tied parameters count once."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[int, set] = {}
+    first_source: dict[int, str] = {}  # parameter id -> the checkpoint tensor that filled it first
     for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor", disable=not progress):
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -106,11 +107,20 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
         param = params.get(param_name)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} matches no model parameter (looked for {param_name!r})")
+        loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            if shard_id in filled.get(id(param), ()):  # a second tensor for a shared (tied) parameter
+                again = param.detach().clone()
+                loader(again, tensor, shard_id)
+                if not torch.equal(again, param):
+                    raise ValueError(f"differs from {first_source[id(param)]!r}, and both load into one shared "
+                                     f"(tied) parameter; the checkpoint contradicts tie_word_embeddings")
+            else:
+                loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
         filled.setdefault(id(param), set()).add(shard_id)
+        first_source.setdefault(id(param), name)
     missing = []
     for n, p in params.items():
         lacking = _expected_shards(model, n) - filled.get(id(p), set())

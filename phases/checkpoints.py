@@ -12,18 +12,20 @@ from pathlib import Path
 import torch
 
 # Tiny configs per architecture: small enough for CPU, shaped to catch bugs
-# (head_dim != hidden/heads for Qwen3, GQA, QKV bias and tied embeddings for Qwen2).
+# (head_dim != hidden/heads for Qwen3, GQA, QKV bias and tied embeddings for Qwen2;
+# rope_theta and rms_norm_eps differ from every default, so a value not read from
+# config.json shows up as a logits mismatch).
 TINY_CONFIGS: dict[str, dict] = {
     "Qwen3ForCausalLM": dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=1024, rope_theta=50000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, attention_bias=False,
     ),
     "Qwen2ForCausalLM": dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=1024, rope_theta=20000.0, rms_norm_eps=3e-6,
         tie_word_embeddings=True,
     ),
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from phases.checkpoints import TINY_CONFIGS
 from engine.config import ModelConfig
@@ -165,3 +166,60 @@ def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
     ours = build_model(config, device, dtype)
     load_weights(ours, ((n, p.detach()) for n, p in hf.named_parameters()), progress=False)
     return hf, ours
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts what a step does: aten ops (``counts``), those dispatched by model
+    code outside the kernel interface (``model_ops``; a CPU reference kernel may
+    reshape freely), and reads of tensor values on the host (``host_reads``:
+    item / tolist / numpy / cpu, which no dispatch counter sees). Use with
+    ``count_step``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.model_ops, self.host_reads, self.in_kernel = {}, {}, [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if not self.in_kernel:
+            self.model_ops[name] = self.model_ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step(fn, monkeypatch) -> OpCounter:
+    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call
+    marked and every host read of a tensor recorded."""
+    from engine import kernels
+
+    counter = OpCounter()
+    for name in kernels.__all__:
+        real = getattr(kernels, name)
+
+        def inside(*args, _real=real, **kwargs):
+            counter.in_kernel = True
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                counter.in_kernel = False
+        monkeypatch.setattr(kernels, name, inside)
+    for method in ("item", "tolist", "numpy", "cpu"):
+        real = getattr(torch.Tensor, method)
+
+        def read(self, *args, _real=real, _method=method, **kwargs):
+            counter.host_reads.append(_method)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, read)
+    with torch.no_grad(), counter:
+        fn()
+    return counter
+
+
+def assert_no_host_sync_and_no_copies(ops: OpCounter) -> None:
+    """The decode-step eager gate: no host read of a device value anywhere
+    (kernels included) and no clone or dtype/device copy in model code."""
+    assert ops.host_reads == [], ops.host_reads
+    for op in ("item", "_local_scalar_dense"):
+        assert ops.counts.get(op, 0) == 0, (op, ops.counts)
+    for op in ("clone", "_to_copy", "copy_"):
+        assert ops.model_ops.get(op, 0) == 0, (op, ops.model_ops)

@@ -78,6 +78,7 @@ def test_step_context_maps_tokens_to_their_blocks():
     assert ctx.cu_seqlens_q.tolist() == [0, 3, 5] and ctx.cu_seqlens_k.tolist() == [0, 3, 21]
     assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (3, 18)
     assert ctx.prefill_kv_slots.tolist() == [112, 113, 114] + list(range(32, 48)) + [80, 81]
+    assert prefill_context([3], [0], [[7]], 16, "cpu")[1].prefill_kv_slots is None  # nothing cached: this step's K/V
     positions, ctx = decode_context([4, 17], [[7], [2, 5]], 16, "cpu")
     assert positions.tolist() == [3, 16] and ctx.slot_mapping.tolist() == [115, 80]
     assert ctx.block_tables.dtype == ctx.context_lens.dtype == torch.int32

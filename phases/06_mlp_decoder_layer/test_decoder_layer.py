@@ -96,8 +96,7 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
     order, are exactly each layer's own norms (no cross-layer reference)."""
     cfg = engine_config("Qwen3ForCausalLM", num_hidden_layers=3)
     model = QwenForCausalLM(cfg, TPGroup())
-    for p in model.parameters():
-        torch.nn.init.normal_(p, 0, 0.02)
+    randomize_weights(model, seed=6)
     seen = []
     for name in ("rms_norm", "fused_add_rms_norm"):
         real = getattr(kernels, name)
@@ -122,3 +121,24 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
                      ("fused_add_rms_norm", id(layer.post_attention_layernorm.weight))]
     expected.append(("fused_add_rms_norm", id(model.model.norm.weight)))
     assert seen == expected
+
+
+def test_decode_step_of_a_decoder_layer_has_no_clone_and_no_host_sync(monkeypatch):
+    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+    from phases.harness import assert_no_host_sync_and_no_copies, count_step
+
+    layer = QwenDecoderLayer(engine_config("Qwen3ForCausalLM"), TPGroup())
+    randomize_weights(layer, seed=7)
+    bind_kv_cache(layer, 2, 16, torch.float32, "cpu")
+    width = layer.input_layernorm.weight.shape[0]
+    positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    with torch.no_grad():
+        layer(positions, torch.randn(12, width), None)
+    hidden, residual = torch.randn(2, width), torch.randn(2, width)
+    positions, ctx = decode_context([9, 5], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    try:
+        assert_no_host_sync_and_no_copies(count_step(lambda: layer(positions, hidden, residual), monkeypatch))
+    finally:
+        reset_context()

@@ -125,4 +125,16 @@ def test_a_rank_reads_and_holds_only_its_shard(tiny_checkpoint, monkeypatch, siz
         load_checkpoint(model, model_dir, progress=False)
         held = sum(p.numel() for p in model.parameters())
         assert full / size <= held <= 1.1 * full / size
-        assert sum(t.numel() for t in read) <= 1.1 * full / size
+        assert 0.9 * full / size <= sum(t.numel() for t in read) <= 1.1 * full / size
+
+
+def test_tied_head_present_in_the_checkpoint_must_equal_the_embedding(tiny_checkpoint):
+    """Qwen2 tiny ties lm_head to the embedding. A checkpoint that also stores
+    lm_head.weight loads when it is the same tensor and is an error when not."""
+    model_dir = tiny_checkpoint("Qwen2ForCausalLM", seed=12)
+    rewrite(model_dir, lambda s: s.__setitem__("lm_head.weight", s["model.embed_tokens.weight"].clone()))
+    model = load_engine_model(model_dir)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rewrite(model_dir, lambda s: s["lm_head.weight"].add_(0.5))
+    with pytest.raises(ValueError, match=r"(lm_head|embed_tokens)\.weight.*differs from.*(embed_tokens|lm_head)"):
+        load_engine_model(model_dir)
