@@ -138,9 +138,9 @@ def _judge(r: RunResult, expected_ranks: int) -> tuple[str, str]:
     if len(r.ranks) < expected_ranks:
         seen = sorted(x["rank"] for x in r.ranks)
         return "failed", f"only ranks {seen} of {expected_ranks} reported results (exit code {r.returncode})"
+    if r.returncode not in (0, PYTEST_NO_TESTS):  # usage or collection errors (a misspelled test id) fail
+        return "failed", f"exit code {r.returncode}"
     if r.returncode == PYTEST_NO_TESTS or r.counts["passed"] == 0:
         total = sum(r.counts.values())
         return "empty", "no tests collected" if total == 0 else f"no test ran (all {total} skipped)"
-    if r.returncode != 0:
-        return "failed", f"exit code {r.returncode}"
     return "passed", ""

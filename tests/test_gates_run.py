@@ -257,3 +257,16 @@ def test_status_prints_the_table_of_a_report(full, tree, capsys):
     assert main(["--root", str(tree), "status", "--report", str(tree / "report-all.json")]) == 0
     rows = capsys.readouterr().out.strip().splitlines()[1:]
     assert [row.split()[:2] for row in rows] == [[p["id"], p["status"]] for p in full[2]["phases"]]
+
+
+def test_misspelled_test_id_or_collection_error_fails_even_with_skip_empty(tmp_path):
+    """pytest exits 4 (no such test id) or 2 (a test file does not import): FAIL, never the
+    'no tests yet' SKIP of --skip-empty."""
+    write_phase(tmp_path, "01", gate("01", runs=[{"mode": "single", "tests": ["phases/01_p/test_ok.py::test_typo"]}]),
+                {"test_ok.py": "def test_ok():\n    pass\n"})
+    write_phase(tmp_path, "02", gate("02"), {"test_broken.py": "import no_such_module_here\n"})
+    code, _, report = run_cli(tmp_path, "--keep-going", "--skip-empty")
+    phases = by_id(report)
+    assert code == 1
+    assert phases["01"]["status"] == "FAIL" and "exit code 4" in phases["01"]["reason"] + str(phases["01"]["runs"])
+    assert phases["02"]["status"] == "FAIL"
