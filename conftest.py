@@ -33,9 +33,9 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tr = pytest.mark.skip(reason="runs only under torchrun (WORLD_SIZE > 1)")
     for item in items:
-        if "cuda" in item.keywords and not has_cuda:
+        if item.get_closest_marker("cuda") and not has_cuda:
             item.add_marker(skip_cuda)
-        if "torchrun" in item.keywords and not in_torchrun:
+        if item.get_closest_marker("torchrun") and not in_torchrun:
             item.add_marker(skip_tr)
 
 

@@ -31,13 +31,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_parameter(self.shard_size, embedding_dim, weight_loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        """Accepts the padded shard (copied as is), this rank's unpadded rows, or the full
-        vocabulary (sliced); padding rows are zeroed. Rows are dim 0 (weight or bias)."""
+        """Accepts the padded shard, this rank's unpadded rows, or the full vocabulary
+        (sliced); padding rows are zeroed in every case. Rows are dim 0 (weight or bias)."""
         owned = self.vocab_end - self.vocab_start
         if loaded.shape == param.shape:
-            param.data.copy_(loaded)
-            return
-        if loaded.shape[1:] == param.shape[1:] and loaded.shape[0] == self.num_embeddings:
+            loaded = loaded[:owned]
+        elif loaded.shape[1:] == param.shape[1:] and loaded.shape[0] == self.num_embeddings:
             loaded = loaded[self.vocab_start:self.vocab_end]
         elif loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != owned:
             full = (self.num_embeddings, *param.shape[1:])

@@ -61,8 +61,16 @@ def test_init_is_idempotent(tp_group):
     assert tp_group.size > 1 and 0 <= tp_group.rank < tp_group.size
 
 
-def test_custom_all_reduce_init_on_cpu_leaves_the_fallback_working(tp_group):
-    init_custom_all_reduce("cpu")
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["ask-cpu", "ask-cuda"])
+def test_custom_all_reduce_init_on_cpu_leaves_the_fallback_working(tp_group, device):
+    """On a machine without GPUs, asking for the CUDA custom all-reduce runs the whole
+    try / vote / fall back path: nothing raises, the handle stays unset, sums stay right."""
+    import engine.distributed as distributed
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("checks the failure path; this machine has a GPU")
+    init_custom_all_reduce(device)
+    assert distributed._custom_all_reduce is None
     x = rank_input(tp_group.rank, (9,))
     expected = sum(rank_input(r, (9,)).double() for r in range(tp_group.size))
     torch.testing.assert_close(all_reduce_sum(x).double(), expected, rtol=1e-6, atol=1e-6)
@@ -77,8 +85,11 @@ def test_cuda_all_reduce_is_exact_on_every_path(tp_group, numel, capsys):
 
     device = torch.device("cuda", torch.cuda.current_device())
     init_custom_all_reduce(device)
+    active = distributed._custom_all_reduce is not None
     with capsys.disabled():
-        print(f"rank {tp_group.rank}: custom all-reduce {'active' if distributed._custom_all_reduce else 'off (NCCL)'}")
+        print(f"rank {tp_group.rank}: custom all-reduce {'active' if active else 'off (NCCL)'}")
+    if numel in (64 << 10, 2 << 20) and not active:
+        pytest.skip("the symmetric-memory all-reduce is unavailable here (no peer access?), so its paths cannot run")
     for dtype in (torch.bfloat16, torch.float32):
         x = rank_input(tp_group.rank, (numel,), dtype).to(device)
         out = all_reduce_sum(x)

@@ -111,14 +111,16 @@ def test_sizes_that_do_not_split_are_value_errors(build):
         build()
 
 
-def test_parameters_take_the_default_dtype():
+def test_parameters_take_the_default_dtype_and_device():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        layer = QKVParallelLinear(IN, HEAD_DIM, 4, 2, bias=True)
+        with torch.device("meta"):
+            layer = QKVParallelLinear(IN, HEAD_DIM, 4, 2, bias=True)
     finally:
         torch.set_default_dtype(previous)
     assert layer.weight.dtype == layer.bias.dtype == torch.float64
+    assert layer.weight.device.type == layer.bias.device.type == "meta"
     assert not layer.weight.requires_grad
 
 

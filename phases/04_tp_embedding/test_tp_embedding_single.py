@@ -19,8 +19,21 @@ def test_vocab_ranges_tile_the_vocabulary(vocab, size):
     assert [(e.vocab_start, e.vocab_end) for e in layers] == [(min(r * rows, vocab), min((r + 1) * rows, vocab))
                                                                for r in range(size)]
     assert all(e.weight.shape == (rows, 1) for e in layers)
-    if vocab % size == 0:
-        assert rows * size == vocab  # e.g. Qwen's 151936 at tp 4: no padding at all
+    assert sum(e.vocab_end - e.vocab_start for e in layers) == vocab  # every id owned exactly once
+    if vocab % size == 0:  # e.g. Qwen's 151936 at tp 4: no padding at all
+        assert all(e.shard_size == e.vocab_end - e.vocab_start for e in layers)
+
+
+def test_parameters_take_the_default_device_and_dtype():
+    with torch.device("meta"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            emb, head = VocabParallelEmbedding(1000, 8, tp=TPGroup(1, 4)), ParallelLMHead(1000, 8, tp=TPGroup(1, 4))
+        finally:
+            torch.set_default_dtype(previous)
+    for p in (emb.weight, head.weight):
+        assert p.device.type == "meta" and p.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("presliced", [None, "padded", "owned"])

@@ -38,6 +38,7 @@ def test_tied_embedding_and_lm_head(tp_group):
     emb, weight, _ = make_vocab_layer(VocabParallelEmbedding, 997, tp_group)
     head = ParallelLMHead(997, DIM, tp=tp_group)
     head.tie_to(emb)
+    assert head.weight is emb.weight
     ids = boundary_ids(997, tp_group.size)
     hidden = emb(ids)
     torch.testing.assert_close(head(hidden).double(), weight[ids].double() @ weight.double().T, rtol=1e-6, atol=1e-6)
