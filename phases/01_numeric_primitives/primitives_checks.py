@@ -89,8 +89,12 @@ def assert_close(out: torch.Tensor, truth: torch.Tensor, tol: float, what: str =
     assert worst <= 20 * tol * truth64.abs().max(), f"{what}: worst element off by {worst:.3e}"
 
 
-def run_cases(target, strategy, check) -> None:
-    """Run ``check(case)`` on ``target.examples`` Hypothesis-drawn cases (deterministic across runs)."""
+def run_cases(target, strategy, check, must=()) -> None:
+    """Run ``check(case)`` on every case in ``must`` (the cases that matter most, run on every
+    target however few examples it draws), then on ``target.examples`` Hypothesis-drawn cases
+    (deterministic across runs)."""
+    for case in must:
+        check(case)
     settings(max_examples=target.examples, deadline=None, derandomize=True, database=None,
              suppress_health_check=list(HealthCheck))(given(strategy)(check))()
 

@@ -1,6 +1,7 @@
 """rms_norm, fused_add_rms_norm and silu_and_mul against float64 math, on every backend present."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -76,3 +77,14 @@ def test_silu_and_mul_matches_float64(target):
         assert_close(out, gate / (1 + torch.exp(-gate)) * up, target.tol, "silu_and_mul")
 
     run_cases(target, st.tuples(rows(target), SEEDS), check)
+
+
+def test_triton_rms_norm_refuses_a_non_unit_last_stride():
+    """FM-002's fix: a view the Triton kernel cannot read (last stride != 1) is a ValueError,
+    never a hidden copy. Checked on the kernel wrapper itself, so it runs without a GPU."""
+    pytest.importorskip("triton")
+    from engine.kernels.triton import norm
+
+    x = torch.randn(4, 64)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        norm.rms_norm(torch.empty(4, 32), x, torch.ones(32), EPS)
