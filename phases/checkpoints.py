@@ -66,6 +66,14 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     }))
 
 
+def tiny_hf_config(arch: str = "Qwen3ForCausalLM", **overrides):
+    """The transformers config of the tiny ``arch``; ``overrides`` replace its entries."""
+    import transformers
+
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    return config_cls(**{**TINY_CONFIGS[arch], **overrides}, bos_token_id=1, eos_token_id=1)
+
+
 def make_tiny_checkpoint(path: Path, arch: str = "Qwen3ForCausalLM", seed: int = 0,
                          sharded: bool = False, **overrides) -> Path:
     """Write an HF checkpoint for ``arch`` into ``path`` and return it.
@@ -76,9 +84,7 @@ def make_tiny_checkpoint(path: Path, arch: str = "Qwen3ForCausalLM", seed: int =
     """
     import transformers
 
-    cfg_kwargs = {**TINY_CONFIGS[arch], **overrides}
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(**cfg_kwargs, bos_token_id=1, eos_token_id=1)
+    config = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).float()
     randomize_weights(model, seed)

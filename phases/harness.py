@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from phases.checkpoints import TINY_CONFIGS
+from phases.checkpoints import tiny_hf_config
 from engine.config import ModelConfig
 
 
@@ -75,11 +75,9 @@ def num_blocks_for(lengths, block_size: int) -> int:
 
 
 def hf_config(arch: str = "Qwen3ForCausalLM", **overrides):
-    """The transformers config of the tiny ``arch`` (eager attention)."""
-    import transformers
-
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(**{**TINY_CONFIGS[arch], **overrides}, bos_token_id=1, eos_token_id=1)
+    """The transformers config of the tiny ``arch``, with eager attention (the
+    layer tests pass their own causal masks)."""
+    config = tiny_hf_config(arch, **overrides)
     config._attn_implementation = "eager"
     return config
 
@@ -146,17 +144,12 @@ def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
     import transformers
 
     from engine.loader import load_weights
-    from engine.models.registry import build_model
+    from engine.models.registry import build_model, creating_in
 
     torch.manual_seed(seed)
     hf_cfg = transformers.Qwen3Config(**QWEN3_8B)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with creating_in(dtype, device):
+        hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
     assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -2,6 +2,8 @@
 building a model directly in its final dtype and device."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -30,16 +32,23 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return config.torch_dtype if config.torch_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+@contextmanager
+def creating_in(dtype: torch.dtype, device: torch.device | str):
+    """Tensors created inside (parameters included) default to ``dtype`` on ``device``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
                 tp: TPGroup | None = None) -> nn.Module:
     """Instantiate the model for `config` with uninitialised parameters created
     directly in `dtype` on `device` (never a float32 copy first)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(config, device)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return model_class(config)(config, tp)
-    finally:
-        torch.set_default_dtype(previous)
+    with creating_in(dtype, device):
+        return model_class(config)(config, tp)
