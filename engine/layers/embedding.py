@@ -30,19 +30,22 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = new_parameter(self.shard_size, embedding_dim, weight_loader=self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        """Accepts the padded shard, this rank's unpadded rows, or the full vocabulary
-        (sliced); padding rows are zeroed in every case. Rows are dim 0 (weight or bias)."""
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
+        """Loads the full vocabulary (sliced here) or, with ``presliced``, this rank's rows
+        (padded to the shard or not); padding rows are zeroed in every case. Rows are dim 0
+        (weight or bias)."""
         owned = self.vocab_end - self.vocab_start
-        if loaded.shape == param.shape:
+        full = (self.num_embeddings, *param.shape[1:])
+        if presliced and loaded.shape in (param.shape, (owned, *param.shape[1:])):
             loaded = loaded[:owned]
-        elif loaded.shape[1:] == param.shape[1:] and loaded.shape[0] == self.num_embeddings:
+        elif not presliced and loaded.shape == full:
             loaded = loaded[self.vocab_start:self.vocab_end]
-        elif loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != owned:
-            full = (self.num_embeddings, *param.shape[1:])
-            raise ValueError(
-                f"cannot load a tensor of shape {tuple(loaded.shape)} into a vocab shard of shape "
-                f"{tuple(param.shape)} (expected that shape, {(owned, *param.shape[1:])} or the full shape {full})")
+        else:
+            expected = (f"this rank's rows {tuple(param.shape)} or {(owned, *param.shape[1:])}" if presliced
+                        else f"the full shape {full}")
+            raise ValueError(f"cannot load a tensor of shape {tuple(loaded.shape)} into a vocab shard of shape "
+                             f"{tuple(param.shape)} (expected {expected})")
         param.data[:owned].copy_(loaded)
         param.data[owned:].zero_()
 

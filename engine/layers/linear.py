@@ -3,9 +3,11 @@
 Column layers split the output dim across ranks, row layers the input dim (and
 sum the partial products with one all-reduce). Parameters are created with the
 current default dtype and device. Every parameter carries
-``param.weight_loader(param, loaded, shard_id=None)``: a tensor of the local
-shard's shape is copied as is, a full tensor is sliced for this rank, anything
-else is a ValueError naming both shapes.
+``param.weight_loader(param, loaded, shard_id=None, presliced=False)``: a full
+(checkpoint) tensor is sliced for this rank; with ``presliced=True`` the caller
+says it already holds this rank's shard, which is copied as is. A tensor of any
+other shape is a ValueError naming both shapes, so a shard-shaped tensor is never
+mistaken for a full one (a [4, 4] tensor never loads into a tp=2 row layer with in=8).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 
 from engine.distributed import TPGroup, all_gather_last_dim, all_reduce_sum, get_tp_group
 
-WeightLoader = Callable[..., None]  # (param, loaded, shard_id=None) -> None
+WeightLoader = Callable[..., None]  # (param, loaded, shard_id=None, presliced=False) -> None
 
 
 def new_parameter(*shape: int, weight_loader: WeightLoader) -> nn.Parameter:
@@ -34,20 +36,20 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def load_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, index: int, count: int) -> None:
-    """Copy into ``dst`` (in place) either ``loaded`` itself, when it already has ``dst``'s
-    shape (pre-sliced), or chunk ``index`` of ``count`` equal chunks of ``loaded`` along ``dim``
-    (full tensor). Any other shape is a ValueError naming both shapes."""
+def load_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, index: int, count: int,
+               presliced: bool = False) -> None:
+    """Copy into ``dst`` (in place) chunk ``index`` of ``count`` equal chunks of the full tensor
+    ``loaded`` along ``dim``, or, when ``presliced``, ``loaded`` itself (it must have ``dst``'s
+    shape). Any other shape is a ValueError naming both shapes."""
     full_shape = list(dst.shape)
     full_shape[dim] *= count
-    if loaded.shape == dst.shape:
-        dst.copy_(loaded)
-    elif list(loaded.shape) == full_shape:
-        dst.copy_(loaded.narrow(dim, index * dst.shape[dim], dst.shape[dim]))
-    else:
+    expected = list(dst.shape) if presliced else full_shape
+    if list(loaded.shape) != expected:
+        kind = "this rank's pre-sliced shard" if presliced else "the full tensor"
         raise ValueError(
             f"cannot load a tensor of shape {tuple(loaded.shape)} into a shard of shape "
-            f"{tuple(dst.shape)} (expected that shape or the full shape {tuple(full_shape)})")
+            f"{tuple(dst.shape)} (expected {kind}, shape {tuple(expected)})")
+    dst.copy_(loaded if presliced else loaded.narrow(dim, index * dst.shape[dim], dst.shape[dim]))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -63,8 +65,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_parameter(out_local, in_features, weight_loader=self.weight_loader)
         self.bias = new_parameter(out_local, weight_loader=self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        load_shard(param.data, loaded, 0, self.tp.rank, self.tp.size)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
+        load_shard(param.data, loaded, 0, self.tp.rank, self.tp.size, presliced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -81,12 +84,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [divide(n, tp.size, f"out_sizes[{i}]") for i, n in enumerate(out_sizes)]
         super().__init__(in_features, sum(out_sizes), bias=bias, tp=tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"shard_id must be one of 0..{len(self.local_sizes) - 1}, got {shard_id!r}")
         offset = sum(self.local_sizes[:shard_id])
         dst = param.data.narrow(0, offset, self.local_sizes[shard_id])
-        load_shard(dst, loaded, 0, self.tp.rank, self.tp.size)
+        load_shard(dst, loaded, 0, self.tp.rank, self.tp.size, presliced)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -116,14 +120,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         local_out = self.q_size + 2 * self.kv_size
         super().__init__(hidden_size, local_out * tp.size, bias=bias, tp=tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
         if shard_id == "q":
             dst = param.data.narrow(0, 0, self.q_size)
-            load_shard(dst, loaded, 0, self.tp.rank, self.tp.size)
+            load_shard(dst, loaded, 0, self.tp.rank, self.tp.size, presliced)
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             dst = param.data.narrow(0, offset, self.kv_size)
-            load_shard(dst, loaded, 0, self.kv_head_start // self.num_kv_heads, self.kv_shard_count)
+            load_shard(dst, loaded, 0, self.kv_head_start // self.num_kv_heads, self.kv_shard_count, presliced)
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
@@ -142,11 +147,12 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter(out_features, in_local, weight_loader=self.weight_loader)
         self.bias = new_parameter(out_features, weight_loader=self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
         if param is self.bias:
             load_shard(param.data, loaded, 0, 0, 1)
         else:
-            load_shard(param.data, loaded, 1, self.tp.rank, self.tp.size)
+            load_shard(param.data, loaded, 1, self.tp.rank, self.tp.size, presliced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

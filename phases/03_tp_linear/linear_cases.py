@@ -81,11 +81,11 @@ def make_layer(kind: str, tp: TPGroup, bias: bool = True, presliced: bool = Fals
     weights, biases = [], []
     for shard_id, (w, b) in full_shards(kind, bias, seed).items():
         w_local = local_part(kind, shard_id, w, tp)
-        layer.weight.weight_loader(layer.weight, w_local if presliced else w, shard_id)
+        layer.weight.weight_loader(layer.weight, w_local if presliced else w, shard_id, presliced=presliced)
         weights.append(w_local)
         if b is not None:
             b_local = local_part(kind, shard_id, b, tp)
-            layer.bias.weight_loader(layer.bias, b_local if presliced else b, shard_id)
+            layer.bias.weight_loader(layer.bias, b_local if presliced else b, shard_id, presliced=presliced)
             biases.append(b_local)
     return layer, torch.cat(weights), torch.cat(biases) if biases else None
 

@@ -99,6 +99,18 @@ def test_wrong_shapes_are_value_errors_naming_both_shapes():
         qkv.weight.weight_loader(qkv.weight, torch.zeros(3, IN), "k")
 
 
+def test_shard_shaped_tensor_is_not_taken_for_a_full_one():
+    """Double-shard guard: a checkpoint tensor of the local shard's shape is an error unless the
+    caller says it is pre-sliced, and a full tensor passed as pre-sliced is an error too."""
+    row = RowParallelLinear(8, 4, tp=TPGroup(1, 2))
+    with pytest.raises(ValueError, match=r"\(4, 4\).*full tensor, shape \(4, 8\)"):
+        row.weight.weight_loader(row.weight, torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"\(4, 8\).*pre-sliced"):
+        row.weight.weight_loader(row.weight, torch.zeros(4, 8), presliced=True)
+    row.weight.weight_loader(row.weight, torch.ones(4, 4), presliced=True)
+    assert torch.equal(row.weight, torch.ones(4, 4))
+
+
 @pytest.mark.parametrize("build", [
     lambda: ColumnParallelLinear(IN, 10, tp=TPGroup(0, 4)),
     lambda: RowParallelLinear(10, OUT, tp=TPGroup(0, 4)),

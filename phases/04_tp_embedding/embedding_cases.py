@@ -48,5 +48,5 @@ def make_vocab_layer(cls, vocab: int, tp: TPGroup, presliced: str | None = None,
     for param, full in ((layer.weight, weight), (getattr(layer, "bias", None), bias_full)):
         if full is not None:
             piece = {None: full, "padded": padded_shard(full, tp, fill=7.0), "owned": owned_rows(full, tp)}[presliced]
-            param.weight_loader(param, piece)
+            param.weight_loader(param, piece, presliced=presliced is not None)
     return layer, weight, bias_full

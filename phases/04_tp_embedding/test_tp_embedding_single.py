@@ -102,6 +102,10 @@ def test_wrong_shapes_are_value_errors_naming_both_shapes():
         emb.weight.weight_loader(emb.weight, torch.zeros(333, DIM))
     with pytest.raises(ValueError, match=r"\(1000, 4\).*\(334, 8\)"):
         emb.weight.weight_loader(emb.weight, torch.zeros(1000, 4))
+    with pytest.raises(ValueError, match=r"\(334, 8\).*full shape \(1000, 8\)"):
+        emb.weight.weight_loader(emb.weight, torch.zeros(334, DIM))
+    with pytest.raises(ValueError, match=r"\(1000, 8\).*this rank's rows"):
+        emb.weight.weight_loader(emb.weight, torch.zeros(1000, DIM), presliced=True)
 
 
 @pytest.mark.cuda
