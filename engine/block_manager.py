@@ -4,8 +4,11 @@ Block ``i`` of a sequence holds the KV of its tokens ``[i * block_size, (i + 1) 
 A block whose tokens are all known and computed is identified by a chain hash of
 its tokens and every token before it, so a later prompt with the same prefix
 reuses the block (reference counted) instead of recomputing it. Partially filled
-blocks are never shared. Freed blocks keep their hash, and so stay reusable, until
-they are handed out again; the least recently freed block is handed out first.
+blocks are never shared. A block's hash becomes findable only once its K/V is
+written (``publish``, called after the step that computed it), so a failed or
+aborted forward never leaves a hash pointing at K/V that does not exist. Freed
+blocks keep their hash, and so stay reusable, until they are handed out again;
+the least recently freed block is handed out first.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
+        self._unpublished: dict[str, list[int]] = {}  # request id -> its hashed blocks whose K/V is not yet written
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -82,7 +86,7 @@ class BlockManager:
         for i in range(len(hits), self.blocks_for(seq.num_tokens)):
             table.append(self._take_free_block())
             if i < len(hashes):
-                self._set_hash(table[-1], hashes[i])
+                self._record_hash(seq, table[-1], hashes[i])
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
 
@@ -94,7 +98,7 @@ class BlockManager:
         """Make sure the slot of the token at position ``seq.num_tokens - 1`` exists.
 
         Called once before every decode step; takes a new block when the last one is
-        full. A block that this token completes is hashed (its KV is written this step).
+        full. A block that this token completes is hashed, and findable after ``publish``.
         """
         pos = seq.num_tokens - 1
         table = seq.block_table
@@ -107,11 +111,20 @@ class BlockManager:
         if self.enable_prefix_caching and pos % self.block_size == self.block_size - 1:
             prefix_hash = self._block_hash[table[-2]] if len(table) > 1 else b""
             start = pos + 1 - self.block_size
-            self._set_hash(table[-1], chain_hash(prefix_hash, seq.token_ids[start:pos + 1]))
+            self._record_hash(seq, table[-1], chain_hash(prefix_hash, seq.token_ids[start:pos + 1]))
+
+    def publish(self, seq: Sequence) -> None:
+        """The K/V of every token ``seq``'s blocks were allocated for is now written: its
+        hashed blocks become prefix-cache hits for later sequences."""
+        for block_id in self._unpublished.pop(seq.request_id, ()):
+            self._hash_to_block[self._block_hash[block_id]] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first; blocks reaching zero become free
-        (and keep their hash). Clears ``seq.block_table`` and ``seq.num_cached_tokens``."""
+        (and keep their hash if it was published; an unpublished hash is dropped).
+        Clears ``seq.block_table`` and ``seq.num_cached_tokens``."""
+        for block_id in self._unpublished.pop(seq.request_id, ()):
+            self._block_hash[block_id] = None
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
@@ -153,6 +166,6 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _set_hash(self, block_id: int, h: bytes) -> None:
+    def _record_hash(self, seq: Sequence, block_id: int, h: bytes) -> None:
         self._block_hash[block_id] = h
-        self._hash_to_block[h] = block_id
+        self._unpublished.setdefault(seq.request_id, []).append(block_id)

@@ -7,9 +7,10 @@ max_model_len) on top of the worst cases of all running sequences, so a running
 sequence can always append its next token: nothing is ever preempted and the
 scheduler cannot deadlock. A request that could never fit is REJECTED at ``add``.
 
-Within one prefill batch a later sequence may reuse prefix blocks that an
-earlier one computes in the same step, so attention must store the whole
-batch's K/V before reading the cache (the natural order inside a layer).
+Prefix-cache hashes of a step's blocks are published in ``postprocess``, once
+that step's K/V exists; sequences of one prefill batch therefore never share
+blocks computed in that same batch, and a failed step (``fail_in_flight``)
+publishes nothing.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ class Scheduler:
         self._in_flight = []
         finished = []
         for seq, token_id in zip(seqs, token_ids):
+            self.block_manager.publish(seq)
             if seq.is_finished:
                 self.block_manager.free(seq)
                 continue
@@ -102,10 +104,14 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: str) -> bool:
-        """Finish a waiting or running sequence with reason "abort" and free its blocks
-        (for a sequence in the batch being run: at that batch's ``postprocess``, once
-        its K/V is written, so no prefix hit can land on blocks never computed);
-        False when no unfinished sequence has this id."""
+        """``finish(request_id, "abort")``."""
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """Finish a waiting or running sequence with ``reason`` (e.g. "abort", or "stop" for a
+        stop string the engine matched) and free its blocks (for a sequence in the batch being
+        run: at that batch's ``postprocess``, once its K/V is written, so no prefix hit can land
+        on blocks never computed); False when no unfinished sequence has this id."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -113,9 +119,22 @@ class Scheduler:
                     if not any(seq is s for s in self._in_flight):
                         self.block_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "abort"
+                    seq.finish_reason = reason
                     return True
         return False
+
+    def fail_in_flight(self) -> list[Sequence]:
+        """The scheduled batch's forward failed: finish its sequences with reason "error" and
+        free their blocks without publishing any hash (their K/V may not exist). Returns the
+        sequences it finished."""
+        failed = [s for s in self._in_flight if not s.is_finished]
+        for seq in self._in_flight:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "error"
+        self._in_flight = []
+        self.running = [s for s in self.running if not s.is_finished]
+        return failed
 
     def _admit_waiting(self) -> list[Sequence]:
         """Allocate and start waiting sequences in FCFS order while they fit the

@@ -52,6 +52,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             shared_blocks = min(common_prefix_len(other.token_ids, prompt), len(prompt) - 1) // size
             assert seq.num_cached_tokens >= shared_blocks * size
         self.kv.write(seq, seq.num_cached_tokens, len(prompt))
+        self.bm.publish(seq)  # the step that computed the prompt's K/V ends
         self.live.append(seq)
         self.history.append(list(prompt))
 
@@ -67,6 +68,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.append_slot(seq)
         self.kv.write(seq, seq.num_tokens - 1, seq.num_tokens)
+        self.bm.publish(seq)
         self.history.append(seq.token_ids)
 
     @precondition(lambda self: self.live)
@@ -126,6 +128,7 @@ def test_prefix_hit_after_free_reuses_the_same_blocks():
     bm = BlockManager(num_blocks=8, block_size=4)
     first = Sequence(list(range(10)))
     bm.allocate(first)
+    bm.publish(first)
     first_table = list(first.block_table)
     bm.free(first)
     second = Sequence(list(range(8)) + [42, 43, 44])
@@ -140,6 +143,7 @@ def test_live_prefix_is_shared_by_reference():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence(list(range(9))), Sequence(list(range(8)) + [7])
     bm.allocate(a)
+    bm.publish(a)
     free_before = bm.num_free_blocks
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
@@ -153,6 +157,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence(list(range(8))), Sequence(list(range(8)))
     bm.allocate(a)
+    bm.publish(a)
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
@@ -162,6 +167,7 @@ def test_partial_last_block_is_never_shared():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence([1, 2, 3, 4, 5, 6]), Sequence([1, 2, 3, 4, 5, 6, 7])
     bm.allocate(a)
+    bm.publish(a)
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     assert b.block_table[1] != a.block_table[1]
@@ -172,6 +178,7 @@ def test_hash_covers_the_whole_prefix():
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b = Sequence([1, 2, 5, 6, 0]), Sequence([3, 4, 5, 6, 0])
     bm.allocate(a)
+    bm.publish(a)
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
     assert chain_hash(b"", [1, 2]) != chain_hash(b"", [3, 4])
@@ -182,9 +189,11 @@ def test_blocks_filled_during_decode_are_cached():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Sequence([1, 2, 3])
     bm.allocate(a)
+    bm.publish(a)
     for token in [4, 5, 6, 7]:  # positions 3..6: block 0 fills at position 3
         a.output_token_ids.append(token)
         bm.append_slot(a)
+        bm.publish(a)
     b = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
     assert bm.cached_prefix_len(b) == 4  # block 1 holds positions 4..6 only: not full, not cached
     bm.allocate(b)
@@ -196,6 +205,7 @@ def test_sampled_token_without_kv_is_never_cached():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = Sequence([1, 2, 3])
     bm.allocate(a)
+    bm.publish(a)
     a.output_token_ids.append(4)  # sampled, finished before a decode step computed it
     bm.free(a)
     assert bm.cached_prefix_len(Sequence([1, 2, 3, 4, 9])) == 0
@@ -205,8 +215,26 @@ def test_prefix_caching_can_be_turned_off():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     a, b = Sequence([1, 2, 3, 4, 5]), Sequence([1, 2, 3, 4, 5])
     bm.allocate(a)
+    bm.publish(a)
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+
+
+def test_hashes_are_findable_only_once_published():
+    """A block's K/V exists only after the step that computes it: until ``publish`` no
+    other sequence may hit it, and a sequence freed unpublished (failed step) leaves no hash."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(list(range(9)))
+    bm.allocate(a)
+    assert bm.cached_prefix_len(Sequence(list(range(9)))) == 0
+    a.output_token_ids += [9, 10, 11]
+    bm.append_slot(a)  # position 11 completes block 2, still unpublished
+    bm.free(a)
+    assert bm.cached_prefix_len(Sequence(list(range(13)))) == 0
+    c = Sequence(list(range(9)))
+    bm.allocate(c)
+    bm.publish(c)
+    assert bm.cached_prefix_len(Sequence(list(range(9)))) == 8
 
 
 def test_append_slot_takes_a_block_only_when_the_last_is_full():

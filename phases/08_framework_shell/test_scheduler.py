@@ -231,6 +231,33 @@ def test_abort_in_flight_never_lets_a_prefix_hit_land_on_uncomputed_blocks():
     assert batch == [second] and second.num_cached_tokens == 8  # computed by first's finished step
 
 
+def test_failed_step_publishes_nothing_and_frees_its_batch():
+    """A forward that raised: its sequences finish with reason "error", their blocks are
+    free, and no later request hits blocks whose K/V was never written."""
+    sched, bm = make_scheduler(num_blocks=16, block_size=4)
+    first = Sequence(list(range(1, 9)), SamplingParams(max_tokens=4))
+    sched.add(first)
+    sched.schedule()
+    assert sched.fail_in_flight() == [first]
+    assert first.status is S.FINISHED and first.finish_reason == "error" and bm.num_free_blocks == 16
+    second = Sequence(list(range(1, 10)), SamplingParams(max_tokens=4))
+    sched.add(second)
+    batch, _ = sched.schedule()
+    assert batch == [second] and second.num_cached_tokens == 0
+
+
+def test_finish_ends_a_running_sequence_with_the_given_reason():
+    """The engine ends a request on a matched stop string through finish(..., "stop")."""
+    sched, bm = make_scheduler(num_blocks=16, block_size=4)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    sched.add(seq)
+    batch, is_prefill = sched.schedule()
+    sched.postprocess(batch, is_prefill, [5])
+    assert sched.finish(seq.request_id, "stop")
+    assert seq.status is S.FINISHED and seq.finish_reason == "stop" and bm.num_free_blocks == 16
+    assert not sched.has_unfinished()
+
+
 def test_waiting_request_is_prefilled_before_running_ones_decode():
     sched, _ = make_scheduler()
     first, second = Sequence([1, 2, 3]), Sequence([4, 5])
