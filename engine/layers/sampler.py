@@ -30,15 +30,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Float32 ``[B, V]`` in the open interval (0, 1), a pure function of (seed, step, token id).
+def _uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 in the open interval (0, 1), a pure function of (seed, step, token id), shaped like
+    ``token_ids`` broadcast against ``[B, 1]``.
 
-    seeds, steps: int64 ``[B]`` (seeds in [0, 2**63)).
+    seeds, steps: int64 ``[B]`` (seeds in [0, 2**63)); token_ids: int64 ``[V]`` or ``[B, K]``.
     """
     key = _mix32(_mix32(seeds >> 32) ^ (seeds & _MASK32))
-    key = _mix32(key ^ (steps & _MASK32))
-    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(_mix32(token ^ key[:, None]) ^ key[:, None])
+    key = _mix32(key ^ (steps & _MASK32))[:, None]
+    bits = _mix32(_mix32(token_ids ^ key) ^ key)
     return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
@@ -50,8 +50,16 @@ class Sampler(nn.Module):
     temperature, keep the ``top_k`` largest logits (0 or -1 = all), then the
     smallest set of those whose probability mass reaches ``top_p`` (1.0 = all),
     and draw from the renormalised distribution with the exponential race
-    ``argmax(p / E)``, ``E = -log(u)``, ``u = _uniform_noise(seeds, steps)``.
+    ``argmax(p / E)``, ``E = -log(u)``, ``u = _uniform_noise(seeds, steps, token)``.
     ``steps`` is the request's output index, so a seed fixes the whole output.
+
+    Without hints every row goes through one static-shape path (CUDA-graph safe).
+    The runner, which knows every request's parameters on the host, passes hints
+    that give the same tokens for less work: ``sampled_rows`` (int64 ``[S]``, the rows
+    with temperature > 0; the others take only the argmax), ``max_top_k`` (the largest
+    top_k among them when every one sets top_k > 0: only that many candidates are
+    kept, by ``topk`` instead of a full sort) and ``use_top_p`` (False when no
+    sampled row sets top_p < 1: no softmax/cumsum over the candidates).
     """
 
     def __init__(self, tp: TPGroup | None = None):
@@ -59,7 +67,9 @@ class Sampler(nn.Module):
         self.tp = tp if tp is not None else get_tp_group()
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+                top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
+                sampled_rows: torch.Tensor | None = None, max_top_k: int | None = None,
+                use_top_p: bool = True) -> torch.Tensor:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -69,25 +79,38 @@ class Sampler(nn.Module):
                 raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
         if self.tp.size > 1 and self.tp.rank != 0:
             ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        elif sampled_rows is None:
+            sampled = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, steps,
+                                   max_top_k, use_top_p)
+            ids = torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
         else:
-            ids = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, steps)
+            ids = logits.argmax(dim=-1)
+            if sampled_rows.numel():
+                pick = lambda t: t.index_select(0, sampled_rows)
+                ids[sampled_rows] = self._sample(pick(logits).float(), pick(temperatures).float(), pick(top_ks),
+                                                 pick(top_ps).float(), pick(seeds), pick(steps),
+                                                 max_top_k, use_top_p)
         return broadcast_tensor(ids, src=0)
 
     @staticmethod
-    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps) -> torch.Tensor:
+    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps, max_top_k=None, use_top_p=True) -> torch.Tensor:
+        """Draw one token per row (every row treated as temperature > 0)."""
         vocab_size = logits.shape[1]
-        greedy = logits.argmax(dim=-1)
         # below 1e-5 a temperature is a greedy pick anyway; clamping keeps logits / t finite
-        scaled = logits / torch.where(temperatures > 0, temperatures.clamp(min=1e-5), 1.0)[:, None]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab_size, device=logits.device)
-        k = torch.where(top_ks > 0, top_ks.clamp(max=vocab_size), vocab_size)
-        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        exponential = -torch.log(_uniform_noise(seeds, steps, vocab_size).gather(1, order))
-        choice = (probs / exponential).argmax(dim=-1, keepdim=True)
-        sampled = order.gather(1, choice).squeeze(1)
-        return torch.where(temperatures > 0, sampled, greedy)
+        scaled = logits / temperatures.clamp(min=1e-5)[:, None]
+        if max_top_k is None and not use_top_p:
+            candidates, token_ids = scaled, torch.arange(vocab_size, device=logits.device)
+        else:
+            num_candidates = vocab_size if max_top_k is None else min(max_top_k, vocab_size)
+            candidates, token_ids = scaled.topk(num_candidates, dim=-1)  # sorted, largest first
+            rank = torch.arange(num_candidates, device=logits.device)
+            k = torch.where(top_ks > 0, top_ks.clamp(max=vocab_size), vocab_size)
+            candidates = candidates.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+            if use_top_p:
+                probs = candidates.softmax(dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs
+                candidates = candidates.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
+        # argmax(p / E) == argmax(logit - log E): the renormalising constant does not move the argmax
+        race = candidates - torch.log(-torch.log(_uniform_noise(seeds, steps, token_ids)))
+        choice = race.argmax(dim=-1, keepdim=True)
+        return choice[:, 0] if token_ids.dim() == 1 else token_ids.gather(1, choice)[:, 0]

@@ -157,6 +157,38 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     assert my_tokens(seed + 1, [1] * steps) != alone
 
 
+@pytest.mark.parametrize("case", ["mixed", "all_top_k", "no_top_p", "temperature_only", "all_greedy"])
+def test_runner_hints_give_the_same_tokens(case):
+    """The runner's host-side hints (sampled rows only, topk candidates instead of a full
+    sort, no top-p pass when nobody asks) pick exactly the tokens of the unhinted path."""
+    gen = torch.Generator().manual_seed(11)
+    batch, vocab = 24, 300
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    temperatures = torch.rand(batch, generator=gen) + 0.2
+    temperatures[::3] = 0.0
+    top_ks = torch.randint(1, 40, (batch,), generator=gen)
+    top_ps = torch.rand(batch, generator=gen) * 0.8 + 0.2
+    if case == "mixed":
+        top_ks[1::4] = 0
+        top_ps[2::5] = 1.0
+    if case in ("no_top_p", "temperature_only"):
+        top_ps[:] = 1.0
+    if case == "temperature_only":
+        top_ks[:] = -1
+    if case == "all_greedy":
+        temperatures[:] = 0.0
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    steps = torch.randint(0, 100, (batch,), generator=gen)
+    args = (logits, temperatures, top_ks, top_ps, seeds, steps)
+    plain = Sampler(TPGroup())(*args)
+    rows = (temperatures > 0).nonzero()[:, 0]
+    ks = top_ks[rows].tolist()
+    hinted = Sampler(TPGroup())(*args, sampled_rows=rows,
+                                max_top_k=max(ks) if ks and min(ks) > 0 else None,
+                                use_top_p=bool((top_ps[rows] < 1).any()))
+    assert torch.equal(plain, hinted)
+
+
 def test_sampler_has_no_host_sync():
     """Under FakeTensorMode any read of a tensor value on the host (.item(), .tolist(),
     a Python branch on a tensor) raises; the sampler must run through it."""
