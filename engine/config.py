@@ -95,3 +95,79 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
         return cls.from_dict(cfg)
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """The MLA and MoE dimensions and routing rules of DeepSeek-V2 / V2-Lite / V3, read from
+    ``ModelConfig.raw`` (kept apart so ModelConfig stays the dense models' shape).
+
+    Routing defaults follow the architecture when config.json leaves them out (the
+    transformers-5 form drops ``topk_method`` / ``scoring_func`` for V3): V2 scores by
+    softmax and picks greedily, V3 by sigmoid plus ``e_score_correction_bias`` with
+    group-limited selection (``noaux_tc``). ``rope_interleave`` (V3 form, default True):
+    the rope channels rotate in GPT-J interleaved pairs, else neox halves.
+    """
+
+    q_lora_rank: int | None        # None: one q_proj (V2-Lite); else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    first_k_dense_replace: int     # layers before this one are dense
+    moe_layer_freq: int            # after that, every moe_layer_freq-th layer is MoE
+    scoring_func: str              # "softmax" (V2) or "sigmoid" (V3)
+    topk_method: str               # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3)
+    n_group: int                   # expert groups (1: no group limit)
+    topk_group: int                # groups a token may pick experts from
+    norm_topk_prob: bool           # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float   # multiplies the routed experts' weights
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> "DeepseekConfig":
+        raw = config.raw
+        v3 = config.architecture == "DeepseekV3ForCausalLM"
+        scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+        topk_method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {scoring!r} (supported: softmax, sigmoid)")
+        if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported topk_method {topk_method!r} "
+                             "(supported: greedy, group_limited_greedy, noaux_tc)")
+        n_group = raw.get("n_group") or 1
+        experts = raw.get("n_routed_experts") or 0
+        if experts % n_group:
+            raise ValueError(f"n_routed_experts = {experts} is not divisible by n_group = {n_group}")
+        return cls(
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=raw["kv_lora_rank"],
+            qk_nope_head_dim=raw["qk_nope_head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            v_head_dim=raw["v_head_dim"],
+            n_routed_experts=experts,
+            num_experts_per_tok=raw.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
+            n_shared_experts=raw.get("n_shared_experts") or 0,
+            first_k_dense_replace=raw.get("first_k_dense_replace") or 0,
+            moe_layer_freq=raw.get("moe_layer_freq") or 1,
+            scoring_func=scoring,
+            topk_method=topk_method,
+            n_group=n_group,
+            topk_group=raw.get("topk_group") or n_group,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+        )

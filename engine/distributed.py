@@ -1,9 +1,12 @@
-"""Tensor-parallel communication: the TP group, its collectives and the custom all-reduce.
+"""Tensor-parallel communication: the TP and EP groups, their collectives and the custom all-reduce.
 
-``init_tp_distributed`` sets one module-level group; the collectives below run
-over it. Layers are handed a ``TPGroup`` to decide their shard and never ask
-``torch.distributed`` themselves, so a layer can be built for "rank r of n" in
-a single process.
+``init_tp_distributed`` sets up the named groups: "tp" (dense layers) and "ep"
+(routed experts; here the same ranks as "tp"). A collective takes the name of
+the group it runs over (a custom op takes tensors and plain values only, never
+a ProcessGroup) and is the identity for a group that was not initialised.
+Layers are handed a ``TPGroup`` to decide their shard and pass its ``name`` to
+the collectives; they never ask ``torch.distributed`` themselves, so a layer
+can be built for "rank r of n" in a single process.
 """
 from __future__ import annotations
 
@@ -25,14 +28,16 @@ SYMM_BUFFER_BYTES = 8 << 20      # two-shot up to this; NCCL above
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group; ``group=None`` means the world group."""
+    """This process's place in a parallel group (tensor or expert parallel); ``group=None``
+    means the world group; ``name`` is what collectives are given to run over it."""
 
     rank: int = 0
     size: int = 1
     group: ProcessGroup | None = None
+    name: str = "tp"
 
 
-_tp = TPGroup()
+_groups: dict[str, TPGroup] = {}   # the initialised groups by name: "tp", "ep"
 _custom_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
 
@@ -42,12 +47,12 @@ def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
     WORLD_SIZE unset or <= 1: returns ``TPGroup()`` at once, no process group (a
     single-process run must never wait for a master). Otherwise CUDA sets
     ``LOCAL_RANK`` as the device and creates one group (gloo for CPU tensors,
-    NCCL for CUDA tensors); CPU-only hosts get gloo. Idempotent.
+    NCCL for CUDA tensors); CPU-only hosts get gloo. The expert-parallel group
+    ("ep", ``get_ep_group``) spans the same ranks. Idempotent.
     """
-    global _tp
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1 or _tp.size > 1:
-        return _tp
+    if world_size <= 1 or "tp" in _groups:
+        return get_tp_group()
     if not dist.is_initialized():
         kwargs: dict[str, Any] = dict(backend="gloo", timeout=timedelta(seconds=timeout_s))
         if torch.cuda.is_available():
@@ -56,64 +61,79 @@ def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
             kwargs.update(backend="cpu:gloo,cuda:nccl", device_id=device)
         dist.init_process_group(**kwargs)
         dist.barrier()
-    _tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size())
-    return _tp
+    for name in ("tp", "ep"):
+        _groups[name] = TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), name=name)
+    return _groups["tp"]
 
 
 def get_tp_group() -> TPGroup:
-    """The group set by ``init_tp_distributed``, or ``TPGroup()`` (rank 0 of 1)."""
-    return _tp
+    """The TP group set by ``init_tp_distributed``, or ``TPGroup()`` (rank 0 of 1)."""
+    return _groups.get("tp", TPGroup())
+
+
+def get_ep_group() -> TPGroup:
+    """The expert-parallel group (routed experts are split over it), or rank 0 of 1."""
+    return _groups.get("ep", TPGroup(name="ep"))
+
+
+def _group(name: str) -> TPGroup:
+    """The initialised group called ``name``; a group never initialised has one rank."""
+    return _groups.get(name, TPGroup(name=name))
 
 
 @torch.library.custom_op("agent_infer::all_reduce_sum", mutates_args=())
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` over the TP group, as a new contiguous tensor (same shape, dtype, device).
+def all_reduce_sum(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
+    """Sum of ``x`` over the group named ``group`` ("tp" or "ep"), as a new contiguous
+    tensor (same shape, dtype, device).
 
-    Uses the custom all-reduce when initialised and the message fits, else
-    NCCL/gloo. Registered as a custom op so torch.compile treats it as opaque.
+    Uses the custom all-reduce (TP group only) when initialised and the message
+    fits, else NCCL/gloo. Registered as a custom op so torch.compile treats it as opaque.
     """
-    if _tp.size == 1:
+    g = _group(group)
+    if g.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    if _custom_all_reduce is not None:
+    if _custom_all_reduce is not None and group == "tp":
         out = _custom_all_reduce(x)
         if out is not None:
             return out
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=_tp.group)
+    dist.all_reduce(out, group=g.group)
     return out
 
 
 @all_reduce_sum.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """``[..., d] -> [..., d * size]``: every rank's ``x`` concatenated in rank order.
-
-    Returns ``x`` itself when the group has one rank.
+def all_gather_last_dim(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
+    """``[..., d] -> [..., d * size]``: every rank's ``x`` concatenated in rank order
+    over the group named ``group``. Returns ``x`` itself when the group has one rank.
     """
-    if _tp.size == 1:
+    g = _group(group)
+    if g.size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_tp.size)]
-    dist.all_gather(parts, x, group=_tp.group)
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    dist.all_gather(parts, x, group=g.group)
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``obj`` on every rank (over gloo, never NCCL)."""
-    if _tp.size == 1:
+    """Rank ``src``'s picklable ``obj`` on every TP rank (over gloo, never NCCL)."""
+    tp = get_tp_group()
+    if tp.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=_tp.group, group_src=src, device=torch.device("cpu"))
+    dist.broadcast_object_list(box, group=tp.group, group_src=src, device=torch.device("cpu"))
     return box[0]
 
 
 def broadcast_tensor(t: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Overwrite ``t`` in place with rank ``src``'s ``t`` and return it."""
-    if _tp.size > 1:
-        dist.broadcast(t, group=_tp.group, group_src=src)
+    """Overwrite ``t`` in place with TP rank ``src``'s ``t`` and return it."""
+    tp = get_tp_group()
+    if tp.size > 1:
+        dist.broadcast(t, group=tp.group, group_src=src)
     return t
 
 
@@ -127,7 +147,7 @@ def init_custom_all_reduce(device: torch.device | str) -> None:
     """
     global _custom_all_reduce
     device = torch.device(device)
-    if _tp.size == 1 or device.type != "cuda" or _custom_all_reduce is not None:
+    if get_tp_group().size == 1 or device.type != "cuda" or _custom_all_reduce is not None:
         return
     reasons = []
     for make in (_symmetric_memory_all_reduce, _vllm_all_reduce):
@@ -145,7 +165,7 @@ def init_custom_all_reduce(device: torch.device | str) -> None:
 def _on_every_rank(flag: bool) -> bool:
     """True when ``flag`` is true on every rank (keeps the ranks choosing the same path)."""
     votes = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=_tp.group)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=get_tp_group().group)
     return bool(votes.item())
 
 
@@ -154,7 +174,7 @@ def _symmetric_memory_all_reduce(device: torch.device) -> Callable[[torch.Tensor
     import torch.distributed._symmetric_memory as symm_mem
 
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    group_name = (_tp.group or dist.group.WORLD).group_name
+    group_name = (get_tp_group().group or dist.group.WORLD).group_name
     own_buffer = symm_mem.empty(SYMM_BUFFER_BYTES, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(own_buffer, group_name)
 

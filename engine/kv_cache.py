@@ -1,13 +1,18 @@
-"""KV cache sizing and allocation: one paged cache per attention layer.
+"""KV cache sizing and allocation: one paged cache per attention layer, shaped by the layer's spec.
 
-The pool is sized from the workload (`max_num_seqs x max_model_len` tokens,
-rounded up to blocks) and capped by a fraction of the free device memory —
-never blindly to the model's maximum context. The caches are allocated once
-and bound to the layers; layers never allocate cache memory themselves.
+Each cache-owning layer declares what it stores per token (``KVCacheSpec``):
+K and V of ``num_heads x head_dim`` each (``Attention``), or one entry with no
+separate V (MLA's latent: ``kv_lora_rank + qk_rope_head_dim`` channels shared
+by every head, stored once). The pool is sized from the workload
+(`max_num_seqs x max_model_len` tokens, rounded up to blocks) and capped by a
+fraction of the free device memory — never blindly to the model's maximum
+context. The caches are allocated once and bound to the layers; layers never
+allocate cache memory themselves.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,14 +20,36 @@ from torch import nn
 from engine.layers.attention import Attention
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer caches per token on this rank: ``num_heads x head_dim`` for K,
+    and as much again for V when ``separate_v`` (MLA: one latent head, no V cache)."""
+
+    num_heads: int
+    head_dim: int
+    separate_v: bool = True
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return (2 if self.separate_v else 1) * self.num_heads * self.head_dim * elem
+
+
+def kv_cache_spec(layer: nn.Module) -> KVCacheSpec:
+    """The spec of a cache-owning layer: ``Attention`` caches K/V of its local KV heads;
+    any other layer (MLA) declares its own ``kv_spec``."""
+    if isinstance(layer, Attention):
+        return KVCacheSpec(layer.num_kv_heads, layer.head_dim)
+    return layer.kv_spec
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers that own a KV cache, in module order: ``Attention`` and any layer with a ``kv_spec``."""
+    return [m for m in model.modules() if isinstance(m, Attention) or hasattr(m, "kv_spec")]
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes on this rank, over all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * a.num_kv_heads * a.head_dim * elem for a in attention_layers(model))
+    """Cache bytes one token takes on this rank, over all layers (K and V, or MLA's one latent)."""
+    return sum(kv_cache_spec(layer).bytes_per_token(dtype) for layer in attention_layers(model))
 
 
 def plan_num_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -48,12 +75,19 @@ def plan_num_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, ma
 
 def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str) -> list[torch.Tensor]:
-    """Allocate `[2, num_blocks, block_size, Hk, D]` per attention layer and bind
-    its K and V halves to the layer. Returns the caches (layer order)."""
+    """Allocate each cache-owning layer's cache from its spec and bind it: K/V layers get
+    ``[2, num_blocks, block_size, Hk, D]`` (``k_cache`` / ``v_cache`` its halves), MLA layers
+    ``[num_blocks, block_size, 1, kv_lora_rank + rope_dim]`` as ``k_cache`` with ``v_cache``
+    None. Returns the caches (layer order)."""
     caches = []
     for layer in attention_layers(model):
-        cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                            dtype=dtype, device=device)
-        layer.k_cache, layer.v_cache = cache[0], cache[1]
+        spec = kv_cache_spec(layer)
+        shape = (num_blocks, block_size, spec.num_heads, spec.head_dim)
+        if spec.separate_v:
+            cache = torch.zeros(2, *shape, dtype=dtype, device=device)
+            layer.k_cache, layer.v_cache = cache[0], cache[1]
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.k_cache, layer.v_cache = cache, None
         caches.append(cache)
     return caches

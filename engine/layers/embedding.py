@@ -55,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local_ids = torch.where(in_shard, ids - self.vocab_start, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill_(~in_shard.unsqueeze(-1), 0)
-        return all_reduce_sum(rows)
+        return all_reduce_sum(rows, self.tp.name)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -77,5 +77,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight, self.bias)
         if self.tp.size > 1:
-            logits = all_gather_last_dim(logits)
+            logits = all_gather_last_dim(logits, self.tp.name)
         return logits[..., :self.num_embeddings]

@@ -52,6 +52,23 @@ def load_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, index: int, co
     dst.copy_(loaded if presliced else loaded.narrow(dim, index * dst.shape[dim], dst.shape[dim]))
 
 
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T + b`` with the whole W on every rank (small projections every rank needs
+    in full, e.g. MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``): ``[..., in] -> [..., out]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = new_parameter(out_features, in_features, weight_loader=self.weight_loader)
+        self.bias = new_parameter(out_features, weight_loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
+                      presliced: bool = False) -> None:
+        load_shard(param.data, loaded, 0, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W split by output rows: ``[..., in] -> [..., out / tp]``,
     or ``[..., out]`` when ``gather_output`` (rank order)."""
@@ -71,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        return all_gather_last_dim(y) if self.gather_output and self.tp.size > 1 else y
+        return all_gather_last_dim(y, self.tp.name) if self.gather_output and self.tp.size > 1 else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -157,5 +174,5 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = all_reduce_sum(F.linear(x, self.weight))
+        y = all_reduce_sum(F.linear(x, self.weight), self.tp.name)
         return y if self.bias is None else y + self.bias
