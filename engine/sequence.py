@@ -101,6 +101,11 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The newest token (the one a decode step feeds), without building ``token_ids``."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -1,0 +1,65 @@
+"""The ``hf`` backend: transformers' ``AutoModelForCausalLM`` under our scheduler and sampler.
+
+The seed's RealModelRunner fallback, for a model our own runners do not cover
+or to cross-check them: no paged KV cache (each sequence keeps transformers'
+own cache, and runs alone), the same Sequence / Scheduler / Sampler / engine
+loop. Single process only.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine.distributed import TPGroup
+from engine.layers.sampler import Sampler
+from engine.model_runner import unique_parameter_bytes
+from engine.sequence import Sequence
+
+
+class HFModelRunner:
+    """Same interface as ``ModelRunner``: ``run(seqs, is_prefill) -> list[int]``, ``release(seq)``,
+    ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``)."""
+
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TPGroup,
+                 block_size: int, max_num_seqs: int, max_model_len: int):
+        import transformers
+
+        if tp.size > 1:
+            raise ValueError("the hf backend runs in a single process; use the tp backend under torchrun")
+        start = time.perf_counter()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.load_seconds = time.perf_counter() - start
+        self.device, self.dtype = device, dtype
+        self.weight_bytes = unique_parameter_bytes(self.model)
+        self.num_blocks = max_num_seqs * -(-max_model_len // block_size)
+        self.kv_bytes_per_token = self.kv_cache_bytes = 0
+        self.sampler = Sampler(tp)
+        self._caches: dict[str, object] = {}
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        rows = []
+        for seq in seqs:
+            rid = seq.request_id
+            if is_prefill:
+                ids, past = seq.token_ids, None
+            else:
+                ids, past = [seq.last_token_id], self._caches[rid]
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True)
+            self._caches[rid] = out.past_key_values
+            rows.append(out.logits[0, -1])
+        return self._sample(torch.stack(rows), seqs).tolist()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.sampling_params for s in seqs]
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)
+        return self.sampler(logits, column([p.temperature for p in params], torch.float32),
+                            column([p.top_k for p in params], torch.int64),
+                            column([p.top_p for p in params], torch.float32),
+                            column([s.seed for s in seqs], torch.int64),
+                            column([s.num_output_tokens for s in seqs], torch.int64))
+
+    def release(self, seq: Sequence) -> None:
+        self._caches.pop(seq.request_id, None)

@@ -1,0 +1,321 @@
+"""LLMEngine: the seed's API over the scheduler, a model runner and a tokenizer.
+
+``generate`` for simple use; ``add_request`` / ``step`` / ``abort_request`` for a
+server loop; ``begin_generation`` / ``has_unfinished_requests`` /
+``get_generation_outputs`` as the seed names them; ``generate_tokens`` for
+token-level use. Under torchrun every rank runs the same engine loop on the
+same requests: only rank 0 samples and broadcasts, so every rank schedules the
+same steps. Request ids are counters, identical on every rank.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed import init_tp_distributed
+from engine.models.registry import MODEL_CLASSES, default_dtype
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForCausalLM", "Qwen2_5_VLForCausalLM",
+                      "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+BACKENDS = ("tp", "qwen_tp", "deepseek_tp", "hf")
+
+
+@dataclass
+class RequestOutput:
+    """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
+    None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
+    says why)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    reject_reason: str | None = None
+
+
+class _Request:
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None):
+        self.seq = seq
+        self.detokenizer = detokenizer
+
+    def output(self) -> RequestOutput:
+        seq = self.seq
+        rejected = seq.status is SequenceStatus.REJECTED
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             self.detokenizer.text if self.detokenizer else "", seq.is_finished,
+                             "rejected" if rejected else seq.finish_reason, seq.reject_reason)
+
+
+def _runner_family(config: ModelConfig, backend: str) -> str:
+    """"qwen", "deepseek" or "hf" for ``backend`` and the checkpoint's ``architectures[0]``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"inference_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "hf":
+        return "hf"
+    if backend == "qwen_tp" or (backend == "tp" and config.architecture in QWEN_ARCHITECTURES):
+        family = "qwen"
+    elif backend == "deepseek_tp" or (backend == "tp" and config.architecture in DEEPSEEK_ARCHITECTURES):
+        family = "deepseek"
+    else:
+        raise ValueError(f"unsupported architecture {config.architecture!r} in config.json; supported: "
+                         f"{', '.join(QWEN_ARCHITECTURES + DEEPSEEK_ARCHITECTURES)} (or inference_backend='hf')")
+    if config.architecture not in MODEL_CLASSES:
+        raise ValueError(f"architecture {config.architecture!r} ({family} family) is not yet supported by the "
+                         f"{family} runner; supported now: {', '.join(sorted(MODEL_CLASSES))}")
+    return family
+
+
+def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> set[int]:
+    ids = set(config.eos_token_ids)
+    gen_file = model_dir / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{str(model_dir)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    """Loads ``model_dir`` (default: the demo model shipped in ``engine/default_model``) and
+    serves requests through continuous batching.
+
+    ``inference_backend``: "tp" routes by ``config.json`` ``architectures[0]``; "qwen_tp" /
+    "deepseek_tp" force a runner; "hf" runs transformers' model under our scheduler.
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``; ``max_num_seqs``
+    to 256 on CUDA and 16 on CPU; ``dtype`` to float32 on CPU, else the checkpoint's half
+    dtype (bfloat16 if none); ``device`` to ``cuda:LOCAL_RANK`` when CUDA is present.
+    """
+
+    def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
+                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                 enable_prefix_caching: bool = True, progress: bool | None = None):
+        model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+        self.config = config = ModelConfig.from_model_dir(model_dir)
+        family = _runner_family(config, inference_backend)
+        self.tokenizer = _load_tokenizer(model_dir)
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        elif not 0 < max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, {config.max_position_embeddings}] "
+                             f"(the model's max_position_embeddings)")
+        self.tp = init_tp_distributed()
+        if device is None:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError("dtype must be one of float32, float16, bfloat16")
+        dtype = dtype or default_dtype(config, device)
+        if max_num_seqs is None:
+            max_num_seqs = 256 if device.type == "cuda" else 16
+        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        if progress is None:
+            progress = sys.stderr.isatty() and self.tp.rank == 0
+        if family == "hf":
+            from engine.hf_runner import HFModelRunner
+
+            enable_prefix_caching = False  # each sequence runs its whole prompt in transformers' own cache
+            self.runner = HFModelRunner(model_dir, device, dtype, self.tp, block_size, max_num_seqs, max_model_len)
+        else:
+            from engine.model_runner import ModelRunner
+
+            self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
+                                      max_model_len, mem_utilization, reserve_bytes, progress)
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.eos_token_ids = _eos_token_ids(model_dir, config, self.tokenizer)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   self.eos_token_ids)
+        self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
+        self._requests: dict[str, _Request] = {}
+        self._finished_unreported: list[str] = []
+        self._ids = itertools.count()
+        self._generation: list[str] = []
+        self.num_steps = 0
+        if self.tp.rank == 0:
+            print(self.summary(family), file=sys.stderr, flush=True)
+
+    def summary(self, family: str) -> str:
+        r = self.runner
+        kv_tokens = r.num_blocks * self.block_manager.block_size
+        return (f"agent-infer: {self.config.architecture} ({family} runner) from {self.model_dir} | {self.dtype} on "
+                f"{self.device} | tp {self.tp.size} | weights {r.weight_bytes / 2**30:.2f} GiB per rank | KV cache "
+                f"{r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
+                f"max_model_len {self.max_model_len} | loaded in {r.load_seconds:.1f} s")
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    detokenize: bool = True) -> str:
+        """Queue a prompt (text, or token ids) and return its request id. A prompt that can never
+        run (longer than max_model_len, or needing more KV blocks than exist) is finished at
+        once as "rejected"; its output names the reason."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not token_ids:
+                raise ValueError("prompt encodes to no tokens")
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            vocab = self.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        else:
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        request_id = str(next(self._ids))
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id=request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if detokenize else None
+        self._requests[request_id] = _Request(seq, detokenizer)
+        if not self.scheduler.add(seq):
+            log.warning("request %s rejected: %s", request_id, seq.reject_reason)
+            self._finished_unreported.append(request_id)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish an unfinished request with reason "abort"; its blocks are freed (at once, or
+        after the step that is writing them). False for an unknown or finished request."""
+        if not self.scheduler.abort(request_id):
+            return False
+        self.runner.release(self._requests[request_id].seq)
+        self._finished_unreported.append(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        return self._requests[request_id].output()
+
+    def pop_request(self, request_id: str) -> RequestOutput:
+        """A finished request's output, forgotten by the engine."""
+        output = self._requests[request_id].output()
+        if not output.finished:
+            raise ValueError(f"request {request_id} is not finished")
+        del self._requests[request_id]
+        return output
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch (a prefill or a decode step) and return the requests that
+        finished since the last step (rejected and aborted ones included)."""
+        batch, is_prefill = self.scheduler.schedule()
+        if batch:
+            try:
+                token_ids = self.runner.run(batch, is_prefill)
+            except Exception:
+                for seq in self.scheduler.fail_in_flight():
+                    self._finish_request(seq)
+                raise
+            self.num_steps += 1
+            for seq in self.scheduler.postprocess(batch, is_prefill, token_ids):
+                self._finish_request(seq)
+            for seq in batch:
+                if seq.finish_reason != "abort":
+                    self._emit_text(seq)
+        elif self.scheduler.has_unfinished() and not self.scheduler.running:
+            for seq in list(self.scheduler.waiting):  # nothing runs and nothing fits: never wait forever
+                self.scheduler.finish(seq.request_id, "rejected")
+                seq.reject_reason = "could not be scheduled on an idle engine"
+                self._finish_request(seq)
+        done, self._finished_unreported = self._finished_unreported, []
+        return [self._requests[rid].output() for rid in done]
+
+    def _emit_text(self, seq: Sequence) -> None:
+        """Detokenise this step's token; a matched stop string ends the request there (the
+        stop string itself is not part of the text)."""
+        request = self._requests[seq.request_id]
+        if request.detokenizer is None or not seq.output_token_ids:
+            return
+        detok = request.detokenizer
+        delta = detok.add(seq.output_token_ids[-1])
+        if seq.is_finished:
+            delta += detok.flush()
+        stops = seq.sampling_params.stop
+        if not stops or not delta:
+            return
+        window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
+        hits = [i for i in (detok.text.find(s, window_start) for s in stops) if i >= 0]
+        if hits:
+            detok.text = detok.text[:min(hits)]
+            if not seq.is_finished:
+                self.scheduler.finish(seq.request_id, "stop")
+                self._finish_request(seq)
+            else:
+                seq.finish_reason = "stop"
+
+    def _finish_request(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        self._finished_unreported.append(seq.request_id)
+
+    # ---- the seed's convenience API ------------------------------------------------------------
+
+    def begin_generation(self, prompts: str | list[str], sampling_params: SamplingParams | None = None,
+                         **sampling) -> list[str]:
+        """Queue ``prompts`` (sampling as in ``generate``); returns their request ids."""
+        params = sampling_params or _sampling_params(**sampling)
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        self._generation = [self.add_request(p, params) for p in prompts]
+        return self._generation
+
+    def get_generation_outputs(self) -> list[str]:
+        """The texts of the last ``begin_generation``'s prompts, in order ("" for rejected ones)."""
+        return [self._requests[rid].output().text for rid in self._generation]
+
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: str | list[str] | None = None, seed: int | None = None,
+                 ignore_eos: bool = False, sampling_params: SamplingParams | None = None) -> str | list[str]:
+        """Completions of ``prompts`` (one string in, one string out). Rejected prompts give ""
+        and a warning; the others complete."""
+        params = sampling_params or _sampling_params(max_new_tokens, temperature, top_p, top_k, stop, seed,
+                                                     ignore_eos)
+        ids = self.begin_generation(prompts, params)
+        while self.has_unfinished_requests():
+            self.step()
+        texts = [self.pop_request(rid).text for rid in ids]
+        self._generation = []
+        self._finished_unreported.clear()
+        return texts[0] if isinstance(prompts, str) else texts
+
+    def generate_tokens(self, prompts: list[list[int]], sampling_params: SamplingParams) -> list[list[int]]:
+        """Output token ids for prompts given as token ids (no detokenisation)."""
+        ids = [self.add_request(p, sampling_params, detokenize=False) for p in prompts]
+        while self.has_unfinished_requests():
+            self.step()
+        self._finished_unreported.clear()
+        return [self.pop_request(rid).token_ids for rid in ids]
+
+
+def _sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     stop: str | list[str] | None = None, seed: int | None = None,
+                     ignore_eos: bool = False) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
+                          stop=stop or (), seed=seed, ignore_eos=ignore_eos)

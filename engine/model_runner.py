@@ -1,0 +1,220 @@
+"""ModelRunner: one scheduled batch of sequences -> one forward -> one sampled token each.
+
+The runner owns the model, its KV pool and the step metadata on the device.
+Each running sequence owns a row of a persistent device block table, written
+only where its block table grew since the last step; decode inputs land in
+static device buffers (the phase-11 CUDA graphs capture them). A step's host
+inputs are built with a few vectorised torch ops and reach the device in one
+copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
+Nothing above the runner sees a tensor; nothing below it sees a Sequence.
+"""
+from __future__ import annotations
+
+import math
+import time
+from itertools import chain
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.attention_context import AttentionContext, reset_context, set_context
+from engine.config import ModelConfig
+from engine.distributed import TPGroup, broadcast_object
+from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
+from engine.layers.sampler import Sampler
+from engine.loader import load_checkpoint
+from engine.models.registry import build_model
+from engine.sequence import Sequence
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host -> device copy: pinned and non-blocking on CUDA (the caching host allocator
+    keeps the pinned block alive until the copy has run)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def unique_parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class ModelRunner:
+    """Builds the model for ``config`` on ``device`` in ``dtype``, loads ``model_dir``'s weights
+    (this rank's shards), then sizes the KV pool once from what memory is left
+    (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
+    ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
+
+    ``run(seqs, is_prefill) -> list[int]``: one token per sequence, in order.
+    ``release(seq)``: the sequence is finished; its block-table row is reused.
+    """
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
+                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False):
+        self.device, self.dtype, self.tp = device, dtype, tp
+        self.block_size = block_size
+        start = time.perf_counter()
+        self.model = build_model(config, device, dtype, tp)
+        load_checkpoint(self.model, model_dir, progress=progress)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - start
+        self.weight_bytes = unique_parameter_bytes(self.model)
+
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model, dtype)
+        free_bytes = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - reserve_bytes)
+        num_blocks = plan_num_blocks(self.kv_bytes_per_token, block_size, max_num_seqs, max_model_len,
+                                     free_bytes, mem_utilization)
+        self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, dtype, device)
+        self.sampler = Sampler(tp)
+
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.block_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._row_of: dict[str, int] = {}
+        self._blocks_on_device: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # static decode inputs: token ids, positions, block-table rows; and the gathered tables
+        self.decode_inputs = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=device)
+        self.decode_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._greedy = dict(
+            temperatures=torch.zeros(max_num_seqs, device=device), top_ks=torch.zeros(max_num_seqs, dtype=torch.int64,
+                                                                                      device=device),
+            top_ps=torch.ones(max_num_seqs, device=device), seeds=torch.zeros(max_num_seqs, dtype=torch.int64,
+                                                                               device=device),
+            steps=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
+        self._no_rows = torch.zeros(0, dtype=torch.int64, device=device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        self._sync_block_tables(seqs)
+        if is_prefill:
+            input_ids, positions, ctx, last = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions, ctx = self.prepare_decode(seqs)
+            last = None
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
+        return self.sample(logits, seqs).tolist()
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence's block-table row (no-op if it never ran)."""
+        row = self._row_of.pop(seq.request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+            del self._blocks_on_device[seq.request_id]
+
+    def _sync_block_tables(self, seqs: list[Sequence]) -> None:
+        """Give new sequences a row and write every block appended since the last step
+        into the device table: one copy of (row, column, block) triples, one index_put."""
+        rows, cols, blocks = [], [], []
+        for seq in seqs:
+            rid = seq.request_id
+            row = self._row_of.get(rid)
+            if row is None:
+                if not self._free_rows:
+                    raise RuntimeError(f"more running sequences than block-table rows ({self.block_tables.shape[0]})")
+                row = self._row_of[rid] = self._free_rows.pop()
+                self._blocks_on_device[rid] = 0
+            known, table = self._blocks_on_device[rid], seq.block_table
+            if len(table) > known:
+                rows.append([row] * (len(table) - known))
+                cols.append(range(known, len(table)))
+                blocks.append(table[known:])
+                self._blocks_on_device[rid] = len(table)
+        if rows:
+            flat = lambda parts: list(chain.from_iterable(parts))
+            update = to_device(torch.tensor([flat(rows), flat(cols), flat(blocks)], dtype=torch.int64), self.device)
+            self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
+
+    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache slots (int64) of tokens at ``positions`` of the sequences in table ``rows``."""
+        blocks = self.block_tables[rows, positions // self.block_size].long()
+        return blocks * self.block_size + positions % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        """(input_ids [T], positions [T], context, index of each sequence's last token [B]).
+
+        Prefix-cached prompt tokens are skipped; when any sequence has a cached prefix,
+        ``prefill_kv_slots`` lists the cache slots of every context token."""
+        cached = torch.tensor([s.num_cached_tokens for s in seqs], dtype=torch.int64)
+        lens = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+        rows = torch.tensor([self._row_of[s.request_id] for s in seqs], dtype=torch.int64)
+        q_lens = lens - cached
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        num_tokens = int(cu_q[-1])
+        ids = torch.tensor(list(chain.from_iterable(s.token_ids[s.num_cached_tokens:] for s in seqs)),
+                           dtype=torch.int64)
+        positions = torch.arange(num_tokens) - torch.repeat_interleave(cu_q[:-1] - cached, q_lens)
+        token_rows = torch.repeat_interleave(rows, q_lens)
+        parts = [ids, positions, token_rows, cu_q, cu_k]
+        any_cached = bool(cached.any())
+        if any_cached:
+            context_positions = torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], lens)
+            parts += [context_positions, torch.repeat_interleave(rows, lens)]
+        sizes = [p.numel() for p in parts]
+        on_device = to_device(torch.cat(parts), self.device).split(sizes)
+        ids_d, positions_d, rows_d, cu_q_d, cu_k_d = on_device[:5]
+        ctx = AttentionContext(
+            is_prefill=True,
+            slot_mapping=self._slots(rows_d, positions_d),
+            cu_seqlens_q=cu_q_d.to(torch.int32),
+            cu_seqlens_k=cu_k_d.to(torch.int32),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(lens.max()),
+            prefill_kv_slots=self._slots(on_device[6], on_device[5]) if any_cached else None,
+        )
+        return ids_d, positions_d, ctx, cu_q_d[1:] - 1
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """(input_ids [B], positions [B], context) written into the static decode buffers."""
+        batch = len(seqs)
+        host = torch.tensor([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs],
+                             [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
+        inputs = self.decode_inputs[:, :batch]
+        inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        input_ids, positions, rows = inputs
+        width = -(-int(host[1].max() + 1) // self.block_size)  # blocks of the longest context (host ints)
+        tables = self.decode_tables[:batch]
+        torch.index_select(self.block_tables, 0, rows, out=tables)
+        ctx = AttentionContext(
+            is_prefill=False,
+            slot_mapping=self._slots(rows, positions),
+            block_tables=tables[:, :width],
+            context_lens=(positions + 1).to(torch.int32),
+        )
+        return input_ids, positions, ctx
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Token ids [B] for the last-token ``logits`` [B, V] under each sequence's parameters.
+        An all-greedy batch is one argmax; otherwise only the sampling rows draw, with the
+        candidate count and top-p pass decided here from the host-side parameters."""
+        batch = len(seqs)
+        params = [s.sampling_params for s in seqs]
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if not sampled:
+            columns = {name: t[:batch] for name, t in self._greedy.items()}
+            return self.sampler(logits, **columns, sampled_rows=self._no_rows)
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
+                             [0] * batch], dtype=torch.int64)
+        ints[3, :len(sampled)] = torch.tensor(sampled)
+        floats, ints = to_device(floats, self.device), to_device(ints, self.device)
+        top_ks = [params[i].top_k for i in sampled]
+        return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
+                            sampled_rows=ints[3, :len(sampled)],
+                            max_top_k=max(top_ks) if min(top_ks) > 0 else None,
+                            use_top_p=any(params[i].top_p < 1 for i in sampled))
