@@ -28,7 +28,37 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=1024, rope_theta=20000.0, rms_norm_eps=3e-6,
         tie_word_embeddings=True,
     ),
+    # DeepSeek-V2: MLA with q_lora_rank, v_head_dim != qk dims, YaRN; layer 0 dense, then MoE
+    # with 8 routed experts in 4 groups, top-3 from the best 2 groups, routed_scaling_factor != 1.
+    "DeepseekV2ForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=False,
+        routed_scaling_factor=1.5, max_position_embeddings=1024, rope_theta=20000.0, rms_norm_eps=3e-6,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=256, mscale=0.707,
+                          mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
+        tie_word_embeddings=False,
+    ),
+    # DeepSeek-V3 routing: sigmoid scores + e_score_correction_bias, groups scored by their two
+    # best experts, weights renormalised, routed_scaling_factor 2.5; interleaved rope.
+    "DeepseekV3ForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+        max_position_embeddings=1024, rope_theta=30000.0, rms_norm_eps=2e-6,
+        rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=128, mscale=1.0,
+                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+        tie_word_embeddings=False,
+    ),
 }
+
+# DeepSeek-V2-Lite differs from V2 in config only: one q_proj (no q LoRA) and plain greedy
+# top-k over all experts with no scaling. make_tiny_checkpoint("DeepseekV2ForCausalLM", **V2_LITE).
+V2_LITE = dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0)
 
 WORDS = ("the quick brown fox jumps over lazy dog a an of to in is it on and for with as "
          "that this by at from be are was were garden city river mountain light dark").split()
@@ -37,10 +67,13 @@ WORDS = ("the quick brown fox jumps over lazy dog a an of to in is it on and for
 
 def randomize_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter with random values in place: norms 1 + 0.1*randn,
-    everything else 0.02*randn (biases too), from ``seed``."""
+    everything else 0.02*randn (biases too), from ``seed``. DeepSeek-V3's
+    ``e_score_correction_bias`` (a buffer in transformers, a tensor in checkpoints) too."""
     gen = torch.Generator().manual_seed(seed)
+    tensors = [*model.named_parameters(),
+               *((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))]
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
+        for name, p in sorted(tensors, key=lambda item: item[0]):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * noise)
