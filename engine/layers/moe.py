@@ -1,0 +1,198 @@
+"""Mixture of experts (DeepSeek-V2/V3): a replicated router, routed experts split over
+the expert-parallel group, shared experts as a tensor-parallel dense MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import kernels
+from engine.config import DeepseekConfig
+from engine.distributed import TPGroup, all_reduce_sum
+from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide, new_parameter
+
+DENSE_MAX_TOKENS = 64  # up to this many tokens, every local expert runs on every token (no host sync)
+
+
+class SwiGLUMLP(nn.Module):
+    """``[T, H] -> [T, H]``: one gate-up GEMM, silu_and_mul, down_proj with one all-reduce (TP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        kernels.silu_and_mul(act, gate_up)
+        return self.down_proj(act)
+
+
+class TopKRouter(nn.Module):
+    """``x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)``, replicated on every rank.
+
+    Scores are softmax (V2) or sigmoid (V3) of ``x W^T`` in float32. Experts are chosen from
+    ``scores + e_score_correction_bias`` (the bias exists for ``noaux_tc`` only): ``greedy``
+    takes the top k of all; ``group_limited_greedy`` / ``noaux_tc`` first keep the
+    ``topk_group`` best of ``n_group`` expert groups, a group scored by its best expert
+    (``group_limited_greedy``) or its two best summed (``noaux_tc``). The weights are the
+    chosen experts' scores (without the bias), renormalised to sum to 1 when
+    ``norm_topk_prob``, then times ``routed_scaling_factor``.
+    """
+
+    def __init__(self, hidden_size: int, ds: DeepseekConfig):
+        super().__init__()
+        self.ds = ds
+        self.weight = nn.Parameter(torch.empty(ds.n_routed_experts, hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(ds.n_routed_experts, dtype=torch.float32), requires_grad=False)
+            if ds.topk_method == "noaux_tc" else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ds = self.ds
+        logits = F.linear(x.float(), self.weight)
+        scores = logits.softmax(dim=-1) if ds.scoring_func == "softmax" else logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if ds.topk_method != "greedy" and ds.n_group > 1:
+            grouped = choice.view(x.shape[0], ds.n_group, -1)
+            group_scores = (grouped.topk(2, dim=-1).values.sum(-1) if ds.topk_method == "noaux_tc"
+                            else grouped.amax(dim=-1))
+            best_groups = group_scores.topk(ds.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(ds.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if ds.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * ds.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts: ``(x [T, H], weights [T, k], ids [T, k]) -> [T, H]``, the
+    weighted sum of the outputs of the chosen experts this rank owns (other ranks' experts
+    contribute zero here; the caller sums over the EP group).
+
+    Rank r of the EP group owns experts ``[r * E / ep, (r + 1) * E / ep)`` and holds only
+    their weights: ``gate_up_proj [E_local, 2 * I, H]`` (gate | up), ``down_proj [E_local, H, I]``.
+    They load per expert from checkpoint tensors ``experts.<e>.{gate,up,down}_proj.weight``
+    with shard id ``(e, 0 | 1)``; ``owns_shard`` tells the loader which are this rank's.
+
+    Tokens meet experts in one of three ways, by step size (shapes only, never values):
+    few assignments (``T * k <= E_local``, e.g. small decode batches): each assignment's
+    expert weights are gathered and applied in one batched GEMM; up to ``DENSE_MAX_TOKENS``
+    tokens: every local expert runs on every token and the routing weights (zero for
+    experts not chosen) combine them — neither reads a value on the host; more tokens
+    (prefill): assignments are sorted by expert and each active expert runs one GEMM on
+    its tokens, after one host read of the per-expert counts.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, ep: TPGroup):
+        super().__init__()
+        self.num_experts = num_experts
+        self.num_local = divide(num_experts, ep.size, "n_routed_experts")
+        self.expert_start = ep.rank * self.num_local
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = new_parameter(self.num_local, 2 * intermediate_size, hidden_size,
+                                          weight_loader=self.weight_loader)
+        self.down_proj = new_parameter(self.num_local, hidden_size, intermediate_size,
+                                       weight_loader=self.weight_loader)
+        local_ids = range(self.expert_start, self.expert_start + self.num_local)
+        self.gate_up_proj.expected_shards = {(e, part) for e in local_ids for part in (0, 1)}
+        self.down_proj.expected_shards = {(e, 0) for e in local_ids}
+        for param in (self.gate_up_proj, self.down_proj):
+            param.owns_shard = self.owns_shard
+
+    def owns_shard(self, shard_id: tuple[int, int]) -> bool:
+        """Whether expert ``shard_id[0]`` is this rank's; an expert id the model does not have
+        is a ValueError (never silently another rank's)."""
+        if not 0 <= shard_id[0] < self.num_experts:
+            raise ValueError(f"expert {shard_id[0]} does not exist (n_routed_experts = {self.num_experts})")
+        return self.expert_start <= shard_id[0] < self.expert_start + self.num_local
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int],
+                      presliced: bool = False) -> None:
+        """Load one expert's ``gate_proj`` (part 0) / ``up_proj`` (part 1) / ``down_proj`` weight."""
+        expert, part = shard_id
+        if not self.owns_shard(shard_id):
+            raise ValueError(f"expert {expert} is not on this rank (it holds experts "
+                             f"{self.expert_start}..{self.expert_start + self.num_local - 1})")
+        dst = param.data[expert - self.expert_start]
+        if param is self.gate_up_proj:
+            dst = dst.narrow(0, part * self.intermediate_size, self.intermediate_size)
+        if tuple(loaded.shape) != tuple(dst.shape):
+            raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not match {tuple(dst.shape)}")
+        dst.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.expert_start
+        is_local = (local >= 0) & (local < self.num_local)
+        local = torch.where(is_local, local, 0)
+        weights = torch.where(is_local, weights, 0).to(x.dtype)
+        if ids.numel() <= self.num_local:
+            return self._gathered(x, weights, local)
+        if x.shape[0] <= DENSE_MAX_TOKENS:
+            dense = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
+            return self._dense(x, dense.scatter_add_(1, local, weights))
+        return self._grouped(x, weights, torch.where(is_local, local, self.num_local))
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        act = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
+        kernels.silu_and_mul(act, gate_up)
+        return act
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """One batched GEMM over the T * k assignments, each with its expert's weights."""
+        experts = local.flatten()
+        tokens = torch.arange(experts.shape[0], device=x.device) // local.shape[1]
+        rows = x[tokens][:, :, None]                                              # [N, H, 1]
+        act = self._act(torch.bmm(self.gate_up_proj[experts], rows)[..., 0])      # [N, I]
+        y = torch.bmm(self.down_proj[experts], act[:, :, None])[..., 0]          # [N, H]
+        return (y.view(*local.shape, -1) * weights[..., None]).sum(dim=1)
+
+    def _dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined by ``dense_weights [T, E_local]``."""
+        act = self._act(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))   # [E_local, T, I]
+        y = torch.bmm(act, self.down_proj.transpose(1, 2))                     # [E_local, T, H]
+        return torch.einsum("te,eth->th", dense_weights, y)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Assignments sorted by expert (``experts == E_local`` marks another rank's), one GEMM
+        per active local expert."""
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_local + 1).tolist()
+        kept = sum(counts[:self.num_local])
+        order = order[:kept]
+        tokens = order // experts.shape[1]
+        rows = x[tokens]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts[:self.num_local]):
+            if n:
+                part = rows[start:start + n]
+                act = self._act(part @ self.gate_up_proj[e].t())
+                out_rows[start:start + n] = act @ self.down_proj[e].t()
+            start += n
+        out_rows *= weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+
+
+class MoE(nn.Module):
+    """``[T, H] -> [T, H]``: routed experts (expert-parallel, one all-reduce over the EP group)
+    plus ``n_shared_experts`` shared experts run as one TP dense MLP on every token."""
+
+    def __init__(self, hidden_size: int, ds: DeepseekConfig, tp: TPGroup, ep: TPGroup):
+        super().__init__()
+        self.ep = ep
+        self.gate = TopKRouter(hidden_size, ds)
+        self.experts = RoutedExperts(hidden_size, ds.moe_intermediate_size, ds.n_routed_experts, ep)
+        self.shared_experts = (SwiGLUMLP(hidden_size, ds.moe_intermediate_size * ds.n_shared_experts, tp)
+                               if ds.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.ep.size > 1:
+            out = all_reduce_sum(out, self.ep.name)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,135 @@
+"""DeepSeek mixture of experts against HF transformers' DeepseekV2/V3 MoE with the same
+random weights: the experts chosen per token and their weights (softmax + greedy,
+softmax + group-limited, sigmoid + e_score_correction_bias + noaux_tc, norm_topk_prob,
+routed_scaling_factor), the layer output through each expert path (gathered, dense,
+grouped), routed experts split over EP ranks, and a decode step with no host sync."""
+import pytest
+import torch
+from torch import nn
+from transformers.models.deepseek_v2 import modeling_deepseek_v2
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+from engine.config import DeepseekConfig
+from engine.distributed import TPGroup
+from engine.layers import moe as moe_module
+from engine.layers.moe import MoE
+from engine.loader import load_weights
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from phases.checkpoints import V2_LITE, randomize_weights
+from phases.harness import engine_config, hf_config, rel_err
+
+VARIANTS = {
+    "V2": ("DeepseekV2ForCausalLM", {}),
+    "V2-Lite": ("DeepseekV2ForCausalLM", V2_LITE),
+    "V3": ("DeepseekV3ForCausalLM", {}),
+    "V3-unnormalised": ("DeepseekV3ForCausalLM", dict(norm_topk_prob=False)),
+}
+HF_MOE = {"DeepseekV2ForCausalLM": modeling_deepseek_v2.DeepseekV2Moe,
+          "DeepseekV3ForCausalLM": modeling_deepseek_v3.DeepseekV3MoE}
+
+
+def hf_moe(variant, seed):
+    arch, overrides = VARIANTS[variant]
+    cfg = hf_config(arch, **overrides)
+    moe = HF_MOE[arch](cfg).eval()
+    randomize_weights(moe, seed)
+    with torch.no_grad():  # routers with a real spread of scores, so the choice is not a near-tie
+        moe.gate.weight.mul_(20)
+    return cfg, moe
+
+
+def published_tensors(hf: nn.Module):
+    """HF's module tensors under the names published checkpoints use: its stacked expert
+    weights split into experts.<e>.{gate,up,down}_proj.weight, the router bias included."""
+    tensors = dict(hf.named_parameters())
+    tensors.update((n, b) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    for name, t in tensors.items():
+        t = t.detach()
+        if name == "experts.gate_up_proj":
+            for e, (gate, up) in enumerate(w.chunk(2, dim=0) for w in t):
+                yield f"experts.{e}.gate_proj.weight", gate
+                yield f"experts.{e}.up_proj.weight", up
+        elif name == "experts.down_proj":
+            for e, down in enumerate(t):
+                yield f"experts.{e}.down_proj.weight", down
+        else:
+            yield name, t
+
+
+def engine_moe(variant, hf, ep=TPGroup(name="ep"), tp=TPGroup()):
+    arch, overrides = VARIANTS[variant]
+    config = engine_config(arch, **overrides)
+    ours = MoE(config.hidden_size, DeepseekConfig.from_model_config(config), tp, ep)
+    holder = nn.Module()
+    holder.packed_modules, holder.expert_params = DeepseekV2ForCausalLM.packed_modules, DeepseekV2ForCausalLM.expert_params
+    holder.m = ours
+    load_weights(holder, (("m." + n, t) for n, t in published_tensors(hf)), progress=False)
+    return ours
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_moe_router_picks_hfs_experts_with_hfs_weights(variant):
+    torch.manual_seed(0)
+    cfg, hf = hf_moe(variant, seed=1)
+    ours = engine_moe(variant, hf)
+    x = torch.randn(64, cfg.hidden_size)
+    with torch.no_grad():
+        weights, ids = ours.gate(x)
+        _, hf_weights, hf_ids = hf.gate(x)
+    assert ids.shape == (64, cfg.num_experts_per_tok)
+    ids, order = ids.sort(dim=-1)
+    hf_ids, hf_order = hf_ids.sort(dim=-1)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-5, atol=1e-6)
+    ds = ours.gate.ds
+    if ds.norm_topk_prob:  # renormalised weights sum to routed_scaling_factor
+        torch.testing.assert_close(weights.sum(-1), torch.full((64,), ds.routed_scaling_factor))
+    if ds.topk_method != "greedy":  # every token's experts come from at most topk_group groups
+        groups = ids // (cfg.n_routed_experts // cfg.n_group)
+        assert all(len(set(g)) <= cfg.topk_group for g in groups.tolist())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tokens", [2, 20, 100])  # gathered (T * k <= E), dense, grouped
+def test_moe_layer_matches_hf(variant, tokens):
+    torch.manual_seed(0)
+    cfg, hf = hf_moe(variant, seed=2)
+    ours = engine_moe(variant, hf)
+    x = torch.randn(tokens, cfg.hidden_size)
+    with torch.no_grad():
+        assert rel_err(ours(x), hf(x[None])[0]) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["V2", "V3"])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("tokens", [2, 20, 100])
+def test_routed_experts_split_over_ep_ranks(variant, size, tokens):
+    """Built as EP rank r of n in one process (collectives are identities there): rank r
+    holds experts [r E / n, (r + 1) E / n) only, and the ranks' routed outputs sum to HF's."""
+    torch.manual_seed(0)
+    cfg, hf = hf_moe(variant, seed=3)
+    x = torch.randn(tokens, cfg.hidden_size)
+    routed = 0
+    for rank in range(size):
+        ours = engine_moe(variant, hf, ep=TPGroup(rank=rank, size=size, name="ep"))
+        local = cfg.n_routed_experts // size
+        assert ours.experts.gate_up_proj.shape == (local, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+        assert ours.experts.expert_start == rank * local
+        torch.testing.assert_close(ours.experts.down_proj[0], hf.experts.down_proj[rank * local].detach())
+        with torch.no_grad():
+            routed = routed + ours.experts(x, *ours.gate(x))
+    with torch.no_grad():
+        _, weights, ids = hf.gate(x)
+        want = hf.experts(x, ids, weights)
+    assert rel_err(routed, want) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [2, 20])
+def test_moe_decode_step_has_no_host_sync(monkeypatch, tokens):
+    from phases.harness import assert_no_host_sync_and_no_copies, count_step
+
+    cfg, hf = hf_moe("V3", seed=4)
+    ours = engine_moe("V3", hf)
+    assert tokens <= moe_module.DENSE_MAX_TOKENS
+    x = torch.randn(tokens, cfg.hidden_size)
+    assert_no_host_sync_and_no_copies(count_step(lambda: ours(x), monkeypatch))
