@@ -3,7 +3,9 @@
 Tensors are opened with `safe_open(...).get_slice`, so a rank reads only the
 rows/columns its parameter's `weight_loader` asks for. Every checkpoint tensor
 must map to a parameter and every parameter must be filled: anything else is
-an error naming the key.
+an error naming the key. The one exception is explicit: a tensor whose parameter
+says it is not this rank's shard (``param.owns_shard(shard_id)`` false: another
+rank's routed expert) is skipped unread.
 """
 from __future__ import annotations
 
@@ -76,9 +78,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor | LazyTensor
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, object]:
-    """Checkpoint name -> (parameter name, shard id) via the model's
+    """Checkpoint name -> (parameter name, shard id) via the model's `expert_params`
+    (`experts.<e>.gate_proj.weight` -> (`experts.gate_up_proj`, (e, 0))) and
     `packed_modules` (a name component such as `q_proj` -> (`qkv_proj`, "q"))."""
     parts = name.split(".")
+    experts = getattr(model, "expert_params", {})
+    for i in range(len(parts) - 3):
+        if parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 2] in experts and parts[i + 3] == "weight":
+            param, part = experts[parts[i + 2]]
+            return ".".join(parts[:i + 1] + [param] + parts[i + 4:]), (int(parts[i + 1]), part)
     for i, part in enumerate(parts):
         if part in getattr(model, "packed_modules", {}):
             packed, shard_id = model.packed_modules[part]
@@ -86,8 +94,11 @@ def _target(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
-def _expected_shards(model: nn.Module, param_name: str) -> set:
-    """Shard ids a packed parameter needs (e.g. q, k, v), else {None}."""
+def _expected_shards(model: nn.Module, param_name: str, param: nn.Parameter) -> set:
+    """Shard ids a parameter needs: its own `expected_shards` (stacked experts: (expert,
+    part) for this rank's experts), a packed parameter's (e.g. q, k, v), else {None}."""
+    if hasattr(param, "expected_shards"):
+        return param.expected_shards
     parts = param_name.split(".")
     shards = {s for packed, s in getattr(model, "packed_modules", {}).values() if packed in parts}
     return shards or {None}
@@ -96,7 +107,8 @@ def _expected_shards(model: nn.Module, param_name: str) -> set:
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                  total: int | None = None, progress: bool = True) -> None:
     """Load named checkpoint tensors into `model` through each parameter's
-    `weight_loader(param, tensor, shard_id)`; tied parameters count once."""
+    `weight_loader(param, tensor, shard_id)`; tied parameters count once. A tensor
+    for a shard another rank owns (`param.owns_shard`) is skipped without being read."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[int, set] = {}
     first_source: dict[int, str] = {}  # parameter id -> the checkpoint tensor that filled it first
@@ -109,6 +121,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
             raise ValueError(f"checkpoint tensor {name!r} matches no model parameter (looked for {param_name!r})")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
+            if not getattr(param, "owns_shard", lambda _: True)(shard_id):
+                continue
             if shard_id in filled.get(id(param), ()):  # a second tensor for a shared (tied) parameter
                 again = param.detach().clone()
                 loader(again, tensor, shard_id)
@@ -123,7 +137,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
         first_source.setdefault(id(param), name)
     missing = []
     for n, p in params.items():
-        lacking = _expected_shards(model, n) - filled.get(id(p), set())
+        lacking = _expected_shards(model, n, p) - filled.get(id(p), set())
         if lacking:
             missing.append(n if lacking == {None} else f"{n} (shards {sorted(map(str, lacking))})")
     if missing:
