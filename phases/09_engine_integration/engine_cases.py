@@ -1,0 +1,45 @@
+"""Shared by the phase-09 tests: the HF transformers greedy oracle, prompts, and the
+block-leak check every engine test ends with."""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 512  # the tiny checkpoints' vocabulary (phases/checkpoints.py)
+
+
+def prompts_with_shared_prefix(seed: int = 0, count: int = 9) -> list[list[int]]:
+    """``count`` token-id prompts of different lengths (2..40); the last three share a
+    40-token prefix, so later ones hit the prefix cache once the first has run."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [2, 5, 9, 17, 23, 31, 40][:max(0, count - 3)]
+    prompts = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    prefix = torch.randint(2, VOCAB, (40,), generator=gen).tolist()
+    prompts += [prefix + torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (3, 7, 1)]
+    return prompts
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = 1,
+              dtype=torch.float32, device="cpu") -> list[list[int]]:
+    """transformers' own ``generate`` (greedy), one prompt at a time (no padding), on the
+    checkpoint in ``model_dir``; stops at ``eos_token_id`` (kept, as our engine keeps it)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def assert_no_block_leaks(engine) -> None:
+    """Once idle, every KV block is free and no block-table row is held."""
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+    assert not any(bm.ref_counts)
+    rows = getattr(engine.runner, "_row_of", {})
+    assert not rows, f"block-table rows still held by {sorted(rows)}"

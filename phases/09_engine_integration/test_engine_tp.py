@@ -1,0 +1,34 @@
+"""LLMEngine under torchrun (gloo): every rank generates HF's greedy tokens; rank 0 samples."""
+import pytest
+import torch.distributed as dist
+
+from engine.layers.sampler import Sampler
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+
+from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
+
+MAX_NEW = 10
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_tp_greedy_matches_single_process(tp_group, tiny_checkpoint, arch, monkeypatch):
+    """Greedy tokens at TP = world size equal transformers' (single process, float32) in every
+    rank, with queued requests and prefix hits; only rank 0 runs the sampling math."""
+    assert tp_group.size > 1
+    path = tiny_checkpoint(arch, seed=11)
+    engine = LLMEngine(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=96)
+    assert engine.tp.size == tp_group.size
+    samples = []
+    real = Sampler._sample
+    monkeypatch.setattr(Sampler, "_sample", staticmethod(lambda *a: samples.append(1) or real(*a)))
+    prompts = prompts_with_shared_prefix(seed=3)
+    ours = engine.generate_tokens(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert ours == hf_greedy(path, prompts, MAX_NEW)
+    seeded = engine.generate_tokens(prompts[:4], SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=17))
+    gathered = [None] * tp_group.size
+    dist.all_gather_object(gathered, seeded)
+    assert all(g == gathered[0] for g in gathered), "ranks disagree on sampled tokens"
+    assert (len(samples) > 0) == (tp_group.rank == 0), f"rank {tp_group.rank} ran the sampler {len(samples)} times"
+    assert_no_block_leaks(engine)
