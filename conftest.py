@@ -39,12 +39,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_tr)
 
 
+# A collective that waits longer than this has lost a peer: fail in a minute, not the engine's 300 s
+# (a rank that fails a test also aborts at once, see gates.pytest_plugin).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("GATES_COLLECTIVE_TIMEOUT_S", "60"))
+
+
 @pytest.fixture(scope="session")
 def tp_group():
-    """This process's TP group; initialises gloo/NCCL once under torchrun."""
+    """This process's TP group; initialises gloo/NCCL once under torchrun, with a short collective timeout."""
     from engine.distributed import init_tp_distributed
 
-    return init_tp_distributed()
+    return init_tp_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @pytest.fixture

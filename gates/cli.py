@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
 
 import yaml
 
-from gates import report
+from gates import audit, report
 from gates.execute import pytest_command
-from gates.phases import discover, has_tests, test_files, topological_order
+from gates.phases import defines_test, discover, has_tests, test_files, topological_order
 from gates.runner import Options, exit_code, run_gates
 from gates.schema import GateError
 
@@ -30,7 +31,8 @@ def _phase_ids(text: str) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gates", description="Run and inspect the phase gates.")
-    p.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root holding phases/ (default: %(default)s)")
+    p.add_argument("--root", type=Path, default=REPO_ROOT,
+                   help="repository root holding phases/ (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="phases in dependency order with the state of their gate and tests")
     show = sub.add_parser("show", help="one gate in readable form")
@@ -45,18 +47,31 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
     status = sub.add_parser("status", help="the table of the last report")
     status.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
+    a = sub.add_parser("audit", help="plant each catalogued fault (gates/mutations) in a copy of the tree and "
+                                     "check that the owning phase catches it with the right failure-mode hint")
+    a.add_argument("--phase", type=audit.parse_phases, help="mutations owned by these phases: 05, 01,03 or 01..08")
+    a.add_argument("--only", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                   help="mutations citing these failure modes or ids, e.g. FM-022 or M04-vocab-mask")
+    a.add_argument("--jobs", type=int, default=1, help="mutations run at once (default: %(default)s)")
+    a.add_argument("--all-phases", action="store_true",
+                   help="run every phase, not only the owning one (says which later phase catches an escape)")
+    a.add_argument("--catalogue", type=Path, help="mutation directory (default: ROOT/gates/mutations)")
+    a.add_argument("--report", type=Path, help="JSON report path (default: ROOT/build/audit-report.json)")
+    a.add_argument("--list", action="store_true", help="list the selected mutations, run nothing")
     return p
 
 
 def cmd_list(root: Path) -> int:
-    rows, deps = {}, {}
+    """Exit code 1 if any gate file is broken or the dependencies form a cycle."""
+    rows, deps, code = {}, {}, 0
     for phase in discover(root):
         try:
             gate = phase.load_gate()
         except GateError as e:
             problem = str(e).removeprefix(f"{phase.rel}/gate.yaml: ")
-            rows[phase.id] = f"{phase.id}  {phase.rel:<54} gate.yaml {problem}"
+            rows[phase.id] = f"{phase.id}  {phase.rel:<54} BROKEN gate.yaml {problem}"
             deps[phase.id] = ()
+            code = 1
             continue
         n = len(test_files(phase))
         tests = f"{n} test file{'s' * (n != 1)}" if n else "no tests yet"
@@ -65,11 +80,15 @@ def cmd_list(root: Path) -> int:
     try:
         order = topological_order(deps)
     except GateError as e:
-        print(f"warning: {e}; listing by id")
-        order = sorted(rows)
+        print(f"error: {e}; listing by id")
+        order, code = sorted(rows), 1
+    unknown = sorted({d for ds in deps.values() for d in ds} - set(rows))
+    if unknown:
+        print(f"error: depends_on names unknown phase(s) {', '.join(unknown)}")
+        code = 1
     for i in order:
         print(rows[i])
-    return 0
+    return code
 
 
 def _library_ids(root: Path) -> set[str]:
@@ -78,6 +97,7 @@ def _library_ids(root: Path) -> set[str]:
 
 
 def cmd_show(root: Path, phase_id: str) -> int:
+    """Exit code 1 if a rule names a test that does not exist (in a phase with tests)."""
     phases = {p.id: p for p in discover(root)}
     if phase_id not in phases:
         raise GateError(f"no phase {phase_id} (known: {', '.join(sorted(phases))})")
@@ -93,8 +113,14 @@ def cmd_show(root: Path, phase_id: str) -> int:
             cmd = ["python", *pytest_command(run, nproc, root)[1:]]
             print(f"  - {run.mode}{needs}, timeout {run.timeout_s:g} s:\n      {shlex.join(cmd)}")
     print("eager gate:")
+    missing = 0
     for rule in gate.eager_gate:
-        mark = "" if has_tests(root, rule.test) else "  [test file missing]"
+        mark = ""
+        if not has_tests(root, rule.test):
+            mark = "  [test file missing]"
+        elif not defines_test(root, rule.test):
+            mark = "  [no such test]"
+        missing += bool(mark)
         print(f"  - {rule.rule}\n      enforced by {rule.test}{mark}")
     print("done when:")
     for c in gate.done_criteria:
@@ -105,6 +131,9 @@ def cmd_show(root: Path, phase_id: str) -> int:
         local = "" if fm.id in library else " (local to this gate)"
         print(f"  {fm.id}{local}\n    symptom: {fm.symptom}\n    check:   {fm.check}\n"
               f"    fix:     {fm.fix}\n    tests:   {', '.join(fm.tests)}")
+    if missing and test_files(phase):
+        print(f"error: {missing} eager-gate rule(s) name a test that does not exist", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -116,6 +145,31 @@ def cmd_run(root: Path, args, argv: list[str]) -> int:
     data = report.build_report(results, argv, code)
     report.print_table(data["phases"])
     report.write_report(data, args.report or root / "gate-report.json")
+    return code
+
+
+def cmd_audit(root: Path, args, argv: list[str]) -> int:
+    mutations = audit.select(audit.load_catalogue(args.catalogue or root / "gates" / "mutations"),
+                             args.phase, args.only)
+    if args.list:
+        for m in mutations:
+            print(f"{m.id:<28} {m.phase}  {', '.join(m.failure_modes):<16} {m.description}")
+        return 0
+    print(f"auditing {len(mutations)} mutation(s), {args.jobs} at a time"
+          f"{' (every phase)' if args.all_phases else ''}", flush=True)
+    outcomes = audit.run_audit(root, mutations, args.all_phases, args.jobs,
+                               progress=lambda line: print(line, flush=True))
+    code = audit.exit_code(outcomes)
+    print("\n" + audit.table(outcomes))
+    for o in outcomes:
+        if not o.ok:
+            print(f"\n{o.id} ({o.verdict}, hint {'ok' if o.hint_ok else 'missing'}): {o.description}\n"
+                  f"    expected {', '.join(o.failure_modes)} from phase {o.phase}; named: "
+                  f"{', '.join(o.named) or 'none'}\n    {o.detail}")
+    path = args.report or root / "build" / "audit-report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(audit.build_report(outcomes, argv, code), indent=1) + "\n")
+    print(f"report: {path}")
     return code
 
 
@@ -133,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             report.print_table(report.read_report(args.report or root / "gate-report.json")["phases"])
             return 0
+        if args.command == "audit":
+            return cmd_audit(root, args, argv)
         return cmd_run(root, args, argv)
     except GateError as e:
         print(f"error: {e}", file=sys.stderr)

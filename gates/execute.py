@@ -80,6 +80,35 @@ def _child_env(result_dir: str) -> dict[str, str]:
     return env
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant: torchrun starts each
+    worker in a session of its own, which a kill of the group alone would miss (the
+    orphaned ranks would keep the output pipe open and the run would never end)."""
+    for victim in [pid, *_descendants(pid)]:
+        for kill in (lambda v: os.killpg(v, signal.SIGKILL), lambda v: os.kill(v, signal.SIGKILL)):
+            try:
+                kill(victim)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
     """Merge per-rank test lists: the worst outcome wins; remember failing ranks."""
     merged: dict[str, dict] = {}
@@ -99,8 +128,8 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
 
 
 def execute(run: Run, nproc: int, root: Path) -> RunResult:
-    """Run ``run`` (at ``nproc`` ranks for torchrun) under ``root``; kill the whole
-    process group after ``run.timeout_s``."""
+    """Run ``run`` (at ``nproc`` ranks for torchrun) under ``root``; kill it and every
+    process it started after ``run.timeout_s``."""
     result = RunResult(run.mode, nproc, run.tests, status="failed")
     cmd = pytest_command(run, nproc, root)
     result.command = shlex.join(cmd)
@@ -112,7 +141,7 @@ def execute(run: Run, nproc: int, root: Path) -> RunResult:
         try:
             output, _ = proc.communicate(timeout=run.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             output, _ = proc.communicate()
             result.reason = f"timeout after {run.timeout_s:g} s"
         result.duration_s = round(time.monotonic() - start, 2)

@@ -2,6 +2,7 @@
 dependency order, and which declared test targets exist yet."""
 from __future__ import annotations
 
+import ast
 import heapq
 import re
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ def discover(root: Path) -> list[Phase]:
 def select(ids: list[str], upto: str | None = None, only: list[str] | None = None,
            start: str | None = None) -> list[str]:
     """Ids chosen by ``--only`` (exactly those), else ``--from`` (id >= start) and
-    ``--upto`` (id <= upto). Unknown ``--only`` ids are an error."""
+    ``--upto`` (id <= upto). Unknown ids are an error (``--upto 99`` is a typo, not "all")."""
+    for flag, value in (("--upto", upto), ("--from", start)):
+        if value is not None and value not in ids:
+            raise GateError(f"{flag}: unknown phase id {value} (known: {', '.join(ids)})")
     if only is not None:
         unknown = sorted(set(only) - set(ids))
         if unknown:
@@ -98,3 +102,41 @@ def has_tests(root: Path, target: str) -> bool:
 def test_files(phase: Phase) -> list[Path]:
     """The test files in the phase directory."""
     return sorted(phase.path.rglob("test_*.py"))
+
+
+def _module_names(tree: ast.Module) -> dict[str, ast.AST]:
+    """Top-level names a test module defines or imports (imported tests are collected too)."""
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names[(alias.asname or alias.name).split(".")[0]] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node
+    return names
+
+
+def defines_test(root: Path, nodeid: str) -> bool:
+    """True if the node id ``path.py::name`` (or ``path.py::Class::name``) names a test
+    the file defines (parameter brackets ignored). Read with ``ast``, without importing."""
+    path, _, rest = nodeid.partition("::")
+    file = root / path
+    if not file.is_file():
+        return False
+    try:
+        names = _module_names(ast.parse(file.read_text()))
+    except SyntaxError:
+        return False
+    parts = [p.split("[")[0] for p in rest.split("::")] if rest else []
+    if not parts:
+        return True
+    node = names.get(parts[0])
+    for part in parts[1:]:
+        if not isinstance(node, ast.ClassDef):
+            return False
+        node = next((n for n in node.body if getattr(n, "name", None) == part), None)
+    return node is not None

@@ -3,12 +3,18 @@
 When ``GATES_RESULT_DIR`` is set it writes ``rank{RANK or 0}.json`` there at the
 end of the session: ``{"rank", "exitstatus", "tests": [{"nodeid", "outcome",
 "duration_s", "message"}]}`` with outcome one of passed / failed / skipped /
-error (setup, teardown or collection errors). Without the variable it does nothing.
+error (setup, teardown or collection errors). Without the variable it records nothing.
+
+Under torchrun (WORLD_SIZE > 1) a failing test aborts its rank at once: the
+rank writes its file, prints the error and exits, and torchrun stops the other
+ranks, which would otherwise wait in a collective until the run's timeout.
+``GATES_ABORT_ON_FAILURE=0`` keeps every rank going instead.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 _tests: dict[str, dict] = {}
@@ -32,10 +38,38 @@ def _record(nodeid: str, outcome: str, duration: float, message: str = "") -> No
         entry["message"] = message
 
 
+def _in_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _write(exitstatus: int) -> None:
+    out_dir = os.environ.get("GATES_RESULT_DIR")
+    if not out_dir:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(payload, indent=1))
+
+
+def _abort_rank(report) -> None:
+    """Leave the process group at once: peers blocked in a collective this rank will never
+    join get killed by torchrun instead of waiting out the collective timeout."""
+    _write(exitstatus=1)
+    rank = os.environ.get("RANK", "?")
+    text = str(report.longrepr)
+    sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid}; aborting this rank so the others do not hang\n"
+                     f"{text[-MESSAGE_CHARS:]}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def pytest_runtest_logreport(report) -> None:
     if report.failed:
         _record(report.nodeid, "failed" if report.when == "call" else "error",
                 report.duration, _message(report))
+        if _in_torchrun() and os.environ.get("GATES_ABORT_ON_FAILURE", "1") != "0":
+            _abort_rank(report)
     elif report.skipped:
         _record(report.nodeid, "skipped", report.duration)
     else:
@@ -48,9 +82,4 @@ def pytest_collectreport(report) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    out_dir = os.environ.get("GATES_RESULT_DIR")
-    if not out_dir:
-        return
-    rank = int(os.environ.get("RANK", "0"))
-    payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(payload, indent=1))
+    _write(int(exitstatus))

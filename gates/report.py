@@ -6,7 +6,6 @@ import datetime
 import json
 import platform
 import socket
-import sys
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
@@ -117,6 +116,17 @@ def write_report(data: dict, path: Path) -> None:
 
 
 def read_report(path: Path) -> dict:
+    """The report at ``path``; a missing or unreadable one is a GateError (one line)."""
+    from gates.schema import GateError
+
     if not path.is_file():
-        sys.exit(f"no report at {path} (run `python -m gates run` first)")
-    return json.loads(path.read_text())
+        raise GateError(f"no report at {path} (run `python -m gates run` first)")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GateError(f"{path}: not valid JSON ({e})") from None
+    need = {"id", "status", "counts", "duration_s", "reason"}
+    phases = data.get("phases") if isinstance(data, dict) else None
+    if not isinstance(phases, list) or not all(isinstance(p, dict) and need <= set(p) for p in phases):
+        raise GateError(f"{path}: not a gate report (needs phases with {', '.join(sorted(need))})")
+    return data

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gates import report
 from gates.execute import RunResult, execute, missing_requirements
-from gates.phases import Phase, discover, has_tests, select, topological_order
+from gates.phases import Phase, defines_test, discover, has_tests, select, topological_order
 from gates.schema import FailureMode, Gate, GateError, Run
 
 PASS, FAIL, BLOCKED, SKIP = "PASS", "FAIL", "BLOCKED", "SKIP"
@@ -49,17 +49,39 @@ def plan(root: Path, options: Options) -> tuple[list[tuple[Phase, Gate]], list[s
     chosen = select(sorted(phases), options.upto, options.only, options.start)
     if not chosen:
         raise GateError("the selection matches no phase")
-    gates = {i: phases[i].load_gate() for i in chosen}
+    read = validate(phases, chosen)
+    gates = {i: read[i] for i in chosen}
     notes = []
     for i, gate in gates.items():
-        unknown = [d for d in gate.depends_on if d not in phases]
-        if unknown:
-            raise GateError(f"{phases[i].rel}/gate.yaml: depends_on: unknown phase {', '.join(unknown)}")
         outside = [d for d in gate.depends_on if d not in gates]
         if outside:
             notes.append(f"{i} depends on {', '.join(outside)}, outside the selection: not enforced")
     order = topological_order({i: g.depends_on for i, g in gates.items()})
     return [(phases[i], gates[i]) for i in order], notes
+
+
+def validate(phases: dict[str, Phase], chosen: list[str]) -> dict[str, Gate]:
+    """Load the gates of ``chosen`` and of everything they depend on, transitively;
+    every dependency must exist and the graph must have no cycle. Nothing runs
+    before this passes, so ``--only 05`` cannot go green over a broken 03."""
+    gates: dict[str, Gate] = {}
+    pending = list(chosen)
+    while pending:
+        i = pending.pop()
+        if i in gates:
+            continue
+        gates[i] = phases[i].load_gate()
+        unknown = [d for d in gates[i].depends_on if d not in phases]
+        if unknown:
+            raise GateError(f"{phases[i].rel}/gate.yaml: depends_on: unknown phase {', '.join(unknown)}")
+        pending.extend(gates[i].depends_on)
+    topological_order({i: g.depends_on for i, g in gates.items()})
+    return gates
+
+
+def missing_rule_tests(root: Path, gate: Gate) -> list[str]:
+    """Eager-gate rules whose test id names no test (file missing, or no such function)."""
+    return [r.test for r in gate.eager_gate if not defines_test(root, r.test)]
 
 
 def _attempt(root: Path, run: Run, nproc: int) -> RunResult:
@@ -81,6 +103,11 @@ def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
     runs = [r for r in gate.runs if options.mode in ("all", r.mode)]
     if not runs:
         result.status, result.reason = SKIP, f"no {options.mode} runs"
+        return result
+    missing = missing_rule_tests(root, gate)
+    if missing and any(has_tests(root, t) for r in gate.runs for t in r.tests):
+        result.status = FAIL
+        result.reason = "eager-gate rule names no test: " + ", ".join(missing)
         return result
     for run in runs:
         for nproc in run.nproc or (1,):

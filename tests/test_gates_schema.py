@@ -6,9 +6,9 @@ import copy
 import pytest
 import yaml
 
+from gate_trees import gate
 from gates.phases import select, topological_order
 from gates.schema import GateError, load_gate, parse_gate
-from gate_trees import gate
 
 WHERE = "phases/05_p/gate.yaml"
 
@@ -68,8 +68,10 @@ BROKEN = {
     "rule test not a node id": (_set(["eager_gate", 0, "test"], "phases/05_p/test_a.py"),
                                 "eager_gate[0].test: must be a pytest node id"),
     "failure mode without fix": (_set(["failure_modes", 0, "fix"], DELETE), "failure_modes[0].fix: missing"),
-    "failure mode empty symptom": (_set(["failure_modes", 0, "symptom"], ""), "failure_modes[0].symptom: must be a non-empty string"),
-    "failure mode without tests": (_set(["failure_modes", 0, "tests"], []), "failure_modes[0].tests: must not be empty"),
+    "failure mode empty symptom": (_set(["failure_modes", 0, "symptom"], ""),
+                                   "failure_modes[0].symptom: must be a non-empty string"),
+    "failure mode without tests": (_set(["failure_modes", 0, "tests"], []),
+                                   "failure_modes[0].tests: must not be empty"),
     "done_criteria empty": (_set(["done_criteria"], []), "done_criteria: must not be empty"),
 }
 

@@ -109,7 +109,8 @@ def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):
     v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
     cache, _ = K.get_cos_sin_cache(64, head_dim, 1e4, dtype=dtype, device=device)
     positions = torch.randint(0, 64, (tokens,), device=device)
-    k_cache, v_cache = rand(tokens + 1, block_size, kv_heads, head_dim), rand(tokens + 1, block_size, kv_heads, head_dim)
+    k_cache = rand(tokens + 1, block_size, kv_heads, head_dim)
+    v_cache = rand(tokens + 1, block_size, kv_heads, head_dim)
     slots = torch.arange(tokens, device=device) * block_size + 3
     tables = torch.arange(tokens, device=device, dtype=torch.int32)[:, None]
     lens = torch.full((tokens,), 4, dtype=torch.int32, device=device)

@@ -36,4 +36,5 @@ def test_store_kv_cache_writes_slots_and_skips_padding(target):
     must = [(7, 2, 128, 16, True, 0.3, True, 3), (5, 1, 576, 16, False, 0.3, False, 4)]
     run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([1, 2, 8]),
                                 st.sampled_from([64, 128, 576]), st.sampled_from([16, 256]), st.booleans(),
-                                st.sampled_from([0.0, 0.3, 1.0]), st.booleans(), st.integers(0, 2**31 - 1)), check, must)
+                                st.sampled_from([0.0, 0.3, 1.0]), st.booleans(), st.integers(0, 2**31 - 1)),
+              check, must)

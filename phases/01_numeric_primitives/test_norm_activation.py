@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from phases.assertions import assert_close as check_close
 from primitives_checks import assert_close, rand, run_cases
 
 EPS = 1e-6
@@ -48,7 +49,8 @@ def test_rms_norm_on_strided_per_head_view(target):
         target.ops.rms_norm(out, q, weight, EPS)
         assert_close(out, rms_norm_truth(q, weight, EPS), target.tol, "rms_norm on a strided view")
 
-    run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([1, 4, 8, 32]), st.sampled_from([64, 128]), SEEDS), check)
+    run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([1, 4, 8, 32]),
+                                st.sampled_from([64, 128]), SEEDS), check)
 
 
 def test_fused_add_rms_norm_updates_both_in_place(target):
@@ -88,3 +90,29 @@ def test_triton_rms_norm_refuses_a_non_unit_last_stride():
     x = torch.randn(4, 64)[:, ::2]
     with pytest.raises(ValueError, match="contiguous last dim"):
         norm.rms_norm(torch.empty(4, 32), x, torch.ones(32), EPS)
+
+
+SCALES = (0.0, 1e-4, 1e-3, 3e-3, 1.0, 30.0)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rms_norm_at_every_input_scale_including_zero_rows(target, eps):
+    """FM-047: eps matters only when mean(x^2) is near it, so inputs of scale ~1 cannot tell a dropped or
+    misplaced eps. Rows at scales 0 (all zero: the output must be exactly 0, not NaN) up to 30, through
+    rms_norm and fused_add_rms_norm."""
+    gen = torch.Generator().manual_seed(47)
+    hidden, per_scale = 128, 3
+    x = torch.cat([rand(gen, per_scale, hidden, target=target, scale=s) for s in SCALES])
+    weight = 1 + 0.1 * rand(gen, hidden, target=target)
+    truth = rms_norm_truth(x, weight, eps)
+    out = torch.full_like(x, float("nan"))
+    target.ops.rms_norm(out, x, weight, eps)
+    half = x / 2
+    fused_in, residual = half.clone(), x - half
+    target.ops.fused_add_rms_norm(fused_in, residual, weight, eps)
+    for i, scale in enumerate(SCALES):
+        rows_ = slice(i * per_scale, (i + 1) * per_scale)
+        where = f"input scale {scale:g}, eps {eps:g}"
+        check_close(out[rows_], truth[rows_], target.tol, "rms_norm", where)
+        check_close(fused_in[rows_], rms_norm_truth(residual[rows_], weight, eps), target.tol,
+                    "fused_add_rms_norm", where)

@@ -52,7 +52,8 @@ def rotary_truth(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, is_n
     else:
         pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], rotary_dim // 2, 2).contiguous())
     freqs = BASE ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    turned = pairs * torch.polar(torch.ones((), dtype=torch.float64), positions.cpu().double()[:, None] * freqs)[:, None, :]
+    angles = positions.cpu().double()[:, None] * freqs
+    turned = pairs * torch.polar(torch.ones((), dtype=torch.float64), angles)[:, None, :]
     if is_neox:
         x[..., :rotary_dim] = torch.cat([turned.real, turned.imag], dim=-1)
     else:
@@ -118,8 +119,11 @@ def test_rotary_gptj_yarn_matches_hf_deepseek_v2(target, scaling):
     """Second oracle: transformers' DeepSeek-V2 YaRN rotary (complex pairs = interleaved, is_neox=False)
     on q_pe / k_pe, and the softmax-scale correction its attention applies (mscale_all_dim squared)."""
     from transformers import DeepseekV2Config
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import (DeepseekV2Attention,
-                                                                      DeepseekV2RotaryEmbedding, apply_rotary_emb)
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+        DeepseekV2Attention,
+        DeepseekV2RotaryEmbedding,
+        apply_rotary_emb,
+    )
 
     max_position = 163840
     config = DeepseekV2Config(hidden_size=256, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=None,

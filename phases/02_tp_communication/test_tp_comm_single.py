@@ -9,8 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.distributed import (TPGroup, all_gather_last_dim, all_reduce_sum, broadcast_object,
-                                broadcast_tensor, get_tp_group, init_custom_all_reduce)
+from engine.distributed import (
+    TPGroup,
+    all_gather_last_dim,
+    all_reduce_sum,
+    broadcast_object,
+    broadcast_tensor,
+    get_tp_group,
+    init_custom_all_reduce,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = ("import torch.distributed as dist; from engine.distributed import init_tp_distributed, get_tp_group; "
@@ -21,7 +28,8 @@ PROBE = ("import torch.distributed as dist; from engine.distributed import init_
 @pytest.mark.parametrize("world_size", [None, "1"])
 def test_single_process_init_returns_at_once(world_size):
     """A run without torchrun must not wait for a master (the seed's phase-9 hang)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    torchrun_vars = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
     if world_size is not None:
         env["WORLD_SIZE"] = world_size
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])

@@ -3,8 +3,15 @@ values each rank can compute for every other rank from shared seeds."""
 import pytest
 import torch
 
-from engine.distributed import (all_gather_last_dim, all_reduce_sum, broadcast_object, broadcast_tensor,
-                                get_tp_group, init_custom_all_reduce, init_tp_distributed)
+from engine.distributed import (
+    all_gather_last_dim,
+    all_reduce_sum,
+    broadcast_object,
+    broadcast_tensor,
+    get_tp_group,
+    init_custom_all_reduce,
+    init_tp_distributed,
+)
 
 pytestmark = pytest.mark.torchrun
 

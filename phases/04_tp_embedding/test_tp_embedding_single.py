@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from embedding_cases import DIM, boundary_ids, make_vocab_layer, padded_shard, seeded
-
 from engine.distributed import TPGroup
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -50,7 +49,8 @@ def test_layer_for_rank_holds_its_rows_and_zero_padding(cls, vocab, size, presli
 
 @pytest.mark.parametrize("vocab,size", SPLITS)
 def test_embedding_masks_ids_outside_each_rank_and_sums_to_the_full_lookup(vocab, size):
-    ids = torch.cat([boundary_ids(vocab, size), torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(3))])
+    drawn = torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([boundary_ids(vocab, size), drawn])
     total = torch.zeros(len(ids), DIM, dtype=torch.float64)
     for rank in range(size):
         layer, weight, _ = make_vocab_layer(VocabParallelEmbedding, vocab, TPGroup(rank, size))

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from embedding_cases import DIM, boundary_ids, make_vocab_layer, seeded
-
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.torchrun
@@ -20,7 +19,8 @@ def test_embedding_equals_the_full_lookup_on_every_boundary(tp_group, vocab, pre
     ids = torch.stack([boundary_ids(vocab, tp_group.size), boundary_ids(vocab, tp_group.size).flip(0)])
     out = layer(ids)
     assert out.shape == (*ids.shape, DIM)
-    torch.testing.assert_close(out.double(), weight[ids].double(), rtol=0, atol=0)  # one rank adds each row, others zeros
+    # one rank adds each row, the others zeros
+    torch.testing.assert_close(out.double(), weight[ids].double(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("presliced", [None, "padded", "owned"])

@@ -54,7 +54,7 @@ def test_bind_gives_every_layer_its_own_paged_cache():
         assert layer.k_cache.shape == layer.v_cache.shape == (7, 16, cfg.num_key_value_heads, cfg.head_dim)
         assert layer.k_cache.data_ptr() == cache[0].data_ptr()
         assert layer.v_cache.data_ptr() == cache[1].data_ptr()
-    ptrs = {l.k_cache.data_ptr() for l in layers} | {l.v_cache.data_ptr() for l in layers}
+    ptrs = {a.k_cache.data_ptr() for a in layers} | {a.v_cache.data_ptr() for a in layers}
     assert len(ptrs) == 2 * len(layers)
 
 

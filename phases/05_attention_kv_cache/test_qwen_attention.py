@@ -6,10 +6,10 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from phases.checkpoints import randomize_weights
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.models.qwen import QwenAttention, QwenForCausalLM
+from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
@@ -108,9 +108,10 @@ def test_decode_step_of_the_attention_layer_has_no_host_sync(monkeypatch):
 def test_rank_caches_its_own_kv_head(rank, size):
     """Built as rank r of n (one process): the K/V written to the cache are
     [T, local KV heads, D] and hold exactly HF's KV head r * total_kv // tp."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     from engine.attention_context import prefill_context, reset_context, set_context
     from engine.distributed import TPGroup
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     arch = "Qwen3ForCausalLM"
     cfg, hf_attn, rotary = hf_attention(arch, seed=4)

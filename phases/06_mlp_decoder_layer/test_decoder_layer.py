@@ -5,12 +5,12 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from phases.checkpoints import randomize_weights
 from engine import kernels
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.layers.norm import RMSNorm
 from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP
+from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}

@@ -41,8 +41,12 @@ def test_qwen3_8b_shape_matches_hf_with_teacher_forcing(monkeypatch):
         hf.float()
         truth = [hf(s[None]).logits[0] for s in seqs]
 
-    prefill = lambda xs: torch.cat([x[:n - 1] for x, n in zip(xs, prompt_lens)]).float()
-    decode = lambda xs: torch.cat([x[n - 1:] for x, n in zip(xs, prompt_lens)]).float()  # last prompt + steps
+    def prefill(xs):
+        return torch.cat([x[:n - 1] for x, n in zip(xs, prompt_lens)]).float()
+
+    def decode(xs):  # the last prompt token and the decode steps
+        return torch.cat([x[n - 1:] for x, n in zip(xs, prompt_lens)]).float()
+
     figures = {"decode_rows": decode(truth).shape[0],
                "top1_ours_triton_vs_hf_bf16": (decode(logits["ours_triton"]).argmax(-1)
                                                == decode(logits["hf_bf16"]).argmax(-1)).float().mean().item()}

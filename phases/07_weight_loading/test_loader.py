@@ -1,6 +1,5 @@
 """Safetensors loading: single and sharded files, every tensor consumed and
 every parameter filled, clear errors, lazy per-rank reads."""
-import json
 
 import pytest
 import torch
@@ -63,7 +62,8 @@ def rewrite(model_dir, edit):
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"), r"model\.layers\.1\.self_attn\.qkv_proj\.weight.*k"),
     (lambda s: s.pop("model.layers.0.self_attn.q_norm.weight"), r"model\.layers\.0\.self_attn\.q_norm\.weight"),
-    (lambda s: s.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(3)), r"model\.layers\.0\.mlp\.extra\.weight"),
+    (lambda s: s.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(3)),
+     r"model\.layers\.0\.mlp\.extra\.weight"),
     (lambda s: s.__setitem__("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 95)),
      r"model\.layers\.0\.mlp\.down_proj\.weight.*95"),
     (lambda s: s.__setitem__("model.norm.weight", torch.zeros(65)), r"model\.norm\.weight.*65"),
@@ -86,8 +86,8 @@ def test_q_norm_and_k_norm_are_really_loaded(tiny_checkpoint):
     """Perturbing only q_norm/k_norm in the checkpoint must change the logits
     (the seed's silent garbage-output bug when they are not mapped)."""
     model_dir = tiny_checkpoint("Qwen3ForCausalLM", seed=9)
-    from phases.harness import all_logits_step, run_paged
     from engine.kv_cache import bind_kv_cache
+    from phases.harness import all_logits_step, run_paged
 
     def logits():
         model = load_engine_model(model_dir)

@@ -1,0 +1,117 @@
+"""``python -m gates audit`` on a toy phase: one mutation its tests catch (with the right
+failure-mode hint), one planted to escape, one whose patch no longer applies."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from gate_trees import gate, write_phase
+from gates import audit
+from gates.cli import main
+from gates.schema import GateError
+
+TOY = "def add(a, b):\n    return a + b\n\n\ndef unused():\n    return 1\n"
+TEST_TOY = "from toy import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+CATALOGUE = [
+    {"id": "M01-add-subtracts", "phase": "01", "failure_modes": ["FM-900"], "description": "add subtracts",
+     "patches": [{"file": "toy.py", "find": "return a + b", "replace": "return a - b"}]},
+    {"id": "M01-untested", "phase": "01", "failure_modes": ["FM-901"], "description": "nothing tests unused()",
+     "patches": [{"file": "toy.py", "find": "return 1", "replace": "return 2"}]},
+    {"id": "M01-stale", "phase": "01", "failure_modes": ["FM-900"], "description": "the code moved on",
+     "patches": [{"file": "toy.py", "find": "return a * b", "replace": "return a / b"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    """(tree, exit code, stdout, JSON report) of one audit of the toy tree."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("toy")
+    (root / "toy.py").write_text(TOY)
+    fms = [{"id": "FM-900", "symptom": "sums are wrong", "check": "c", "fix": "f", "tests": ["test_add"]}]
+    write_phase(root, "01", gate("01", failure_modes=fms), {"test_toy.py": TEST_TOY})
+    catalogue = root / "catalogue"
+    catalogue.mkdir()
+    (catalogue / "01.yaml").write_text(yaml.safe_dump(CATALOGUE, sort_keys=False))
+    report = root / "audit.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["--root", str(root), "audit", "--catalogue", str(catalogue), "--report", str(report)])
+    return root, code, buf.getvalue(), json.loads(report.read_text())
+
+
+def test_verdicts_and_hints(audited):
+    _, code, _, report = audited
+    verdicts = {m["id"]: (m["verdict"], m["hint_ok"], m["ok"]) for m in report["mutations"]}
+    assert verdicts == {"M01-add-subtracts": ("caught", True, True),
+                        "M01-untested": ("escaped", False, False),
+                        "M01-stale": ("stale", False, False)}
+    assert code == report["exit_code"] == 1
+
+
+def test_json_report_fields(audited):
+    _, _, _, report = audited
+    caught = next(m for m in report["mutations"] if m["id"] == "M01-add-subtracts")
+    assert caught["caught_by"] == ["01"] and caught["named"] == ["FM-900"]
+    assert caught["failing_tests"] == ["phases/01_p/test_toy.py::test_add"] and caught["duration_s"] > 0
+    escaped = next(m for m in report["mutations"] if m["id"] == "M01-untested")
+    assert escaped["caught_by"] == [] and "phase 01 PASS" in escaped["detail"]
+    stale = next(m for m in report["mutations"] if m["id"] == "M01-stale")
+    assert "occurs 0 times" in stale["detail"]
+    assert report["summary"] == {"caught": 1, "caught-later": 0, "escaped": 1, "stale": 1, "error": 0,
+                                 "hint_missing": 0}
+
+
+def test_table_and_the_working_tree_left_alone(audited):
+    root, _, out, _ = audited
+    assert "| M01-add-subtracts | 01 | FM-900 | caught | 01 | yes |" in out
+    assert "| M01-untested | 01 | FM-901 | escaped | - | no |" in out
+    assert (root / "toy.py").read_text() == TOY
+
+
+def test_selection_by_phase_and_failure_mode(tmp_path):
+    (tmp_path / "01.yaml").write_text(yaml.safe_dump(CATALOGUE))
+    (tmp_path / "02.yaml").write_text(yaml.safe_dump([dict(CATALOGUE[0], id="M02-x", phase="02",
+                                                          failure_modes=["FM-902"])]))
+    mutations = audit.load_catalogue(tmp_path)
+    assert [m.id for m in audit.select(mutations, audit.parse_phases("02"), None)] == ["M02-x"]
+    assert len(audit.select(mutations, audit.parse_phases("01..02"), None)) == 4
+    assert [m.id for m in audit.select(mutations, None, ["FM-901"])] == ["M01-untested"]
+    assert [m.id for m in audit.select(mutations, None, ["M01-stale"])] == ["M01-stale"]
+    with pytest.raises(GateError, match="matches no mutation"):
+        audit.select(mutations, {"03"}, None)
+    with pytest.raises(GateError, match="not a phase id"):
+        audit.parse_phases("1-8")
+
+
+def test_a_malformed_catalogue_is_a_clear_error(tmp_path):
+    (tmp_path / "01.yaml").write_text(yaml.safe_dump([dict(CATALOGUE[0], patches=[])]))
+    with pytest.raises(GateError, match=r"01.yaml\[0\]: patches must not be empty"):
+        audit.load_catalogue(tmp_path)
+    (tmp_path / "01.yaml").write_text(yaml.safe_dump([CATALOGUE[0], CATALOGUE[0]]))
+    with pytest.raises(GateError, match="duplicate id M01-add-subtracts"):
+        audit.load_catalogue(tmp_path)
+
+
+def test_the_repository_catalogue_loads_and_every_patch_applies_once(tmp_path):
+    """Each mutation in gates/mutations still matches the code it patches (no run)."""
+    import shutil
+    from pathlib import Path
+
+    from gates.phases import discover
+
+    repo = Path(__file__).resolve().parents[1]
+    mutations = audit.load_catalogue(repo / "gates" / "mutations")
+    cited = {p.id: {fm.id for fm in p.load_gate().failure_modes} for p in discover(repo)}
+    for m in mutations:
+        assert set(m.failure_modes) <= cited[m.phase], \
+            f"{m.id}: phase {m.phase}'s gate does not cite {set(m.failure_modes) - cited[m.phase]}"
+        files = {p.file for p in m.patches}
+        for f in files:
+            (tmp_path / m.id / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(repo / f, tmp_path / m.id / f)
+        assert audit.apply(tmp_path / m.id, m) == "", m.id
