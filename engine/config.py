@@ -40,6 +40,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        if isinstance(cfg.get("text_config"), dict):  # multimodal (Qwen2-VL): the language model's dims live here
+            cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
 
@@ -53,6 +55,8 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "mrope":
+            rope_scaling = None  # M-RoPE on text-only positions (all three ids equal) is plain RoPE
         dtype_name = cfg.get("torch_dtype", cfg.get("dtype"))
         if dtype_name is not None and dtype_name not in _DTYPES:
             raise ValueError(f"config.json has unsupported dtype {dtype_name!r}; expected one of {sorted(_DTYPES)}")

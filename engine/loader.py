@@ -10,6 +10,7 @@ rank's routed expert) is skipped unread.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -17,6 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+log = logging.getLogger(__name__)
 
 # Checkpoint tensors with no parameter by design (recomputed buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,14 +110,24 @@ def _expected_shards(model: nn.Module, param_name: str, param: nn.Parameter) -> 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                  total: int | None = None, progress: bool = True) -> None:
     """Load named checkpoint tensors into `model` through each parameter's
-    `weight_loader(param, tensor, shard_id)`; tied parameters count once. A tensor
+    `weight_loader(param, tensor, shard_id)`; tied parameters count once. The model's
+    `checkpoint_prefixes` renames name prefixes, or (mapped to None) skips their tensors
+    with one log line per prefix (a multimodal checkpoint's vision tower). A tensor
     for a shard another rank owns (`param.owns_shard`) is skipped without being read."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    prefixes = getattr(model, "checkpoint_prefixes", {})
+    skipped: dict[str, int] = {}
     filled: dict[int, set] = {}
     first_source: dict[int, str] = {}  # parameter id -> the checkpoint tensor that filled it first
     for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor", disable=not progress):
         if name.endswith(IGNORED_SUFFIXES):
             continue
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None and prefixes[prefix] is None:
+            skipped[prefix] = skipped.get(prefix, 0) + 1
+            continue
+        if prefix is not None:
+            name = prefixes[prefix] + name[len(prefix):]
         param_name, shard_id = _target(model, name)
         param = params.get(param_name)
         if param is None:
@@ -135,6 +148,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
         filled.setdefault(id(param), set()).add(shard_id)
         first_source.setdefault(id(param), name)
+    for prefix, count in skipped.items():
+        log.info("skipped %d checkpoint tensors under %r: this model does not use them", count, prefix)
     missing = []
     for n, p in params.items():
         lacking = _expected_shards(model, n, p) - filled.get(id(p), set())

@@ -124,3 +124,12 @@ class QwenForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+class QwenVLTextForCausalLM(QwenForCausalLM):
+    """The language model of Qwen2-VL / Qwen2.5-VL, text only: the vision tower's tensors are
+    skipped, and a checkpoint's ``model.language_model.*`` names (transformers 5) load like
+    ``model.*``. With text-only input all three M-RoPE position ids are equal, so M-RoPE is
+    plain RoPE."""
+
+    checkpoint_prefixes = {"visual.": None, "model.visual.": None, "model.language_model.": "model."}

@@ -9,11 +9,13 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.models.qwen import QwenForCausalLM
+from engine.models.qwen import QwenForCausalLM, QwenVLTextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": QwenForCausalLM,
     "Qwen3ForCausalLM": QwenForCausalLM,
+    **dict.fromkeys(("Qwen2VLForCausalLM", "Qwen2_5_VLForCausalLM", "Qwen2VLForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration"), QwenVLTextForCausalLM),
 }
 
 
