@@ -1,13 +1,17 @@
 # Set-up and the two entry points: `make gates` (the phase gates, in order) and
-# `make test` (every test: single-process with xdist, then every torchrun run).
+# `make test` (lint, every test: single-process with xdist, then every torchrun run,
+# then the mutation audit of the phases cheap enough for CI).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned: the CPU build lies on local disk here; unpinned, pip would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
+# Phases whose mutations CI plants and checks (python -m gates audit); the README says why these.
+AUDIT_PHASES ?= 01,05,06
+AUDIT_JOBS ?= 2
 
-.PHONY: setup gates test
+.PHONY: setup gates test lint audit
 
 setup: $(STAMP)
 
@@ -20,10 +24,20 @@ $(STAMP): pyproject.toml
 gates: setup
 	$(BIN)/python -m gates run
 
-# Both commands always run; pytest exit 5 (nothing collected) is not a failure.
+lint: setup
+	$(BIN)/ruff check .
+
+audit: setup
+	$(BIN)/python -m gates audit --phase $(AUDIT_PHASES) --jobs $(AUDIT_JOBS)
+
+# Every step always runs; pytest exit 5 (nothing collected) is not a failure.
 # --dist loadfile keeps each test file on one worker, so module-scoped fixtures are built once.
+# The torchrun report goes to build/, so `gates status` still shows the last `make gates` / `gates run`.
 test: setup
 	@status=0; \
+	$(BIN)/ruff check . || status=1; \
 	$(BIN)/python -m pytest -n auto --dist loadfile -m "not torchrun" phases tests || [ $$? -eq 5 ] || status=1; \
-	$(BIN)/python -m gates run --mode torchrun --keep-going --skip-empty || status=1; \
+	$(BIN)/python -m gates run --mode torchrun --keep-going --skip-empty \
+		--report build/make-test-torchrun-report.json || status=1; \
+	$(BIN)/python -m gates audit --phase $(AUDIT_PHASES) --jobs $(AUDIT_JOBS) || status=1; \
 	exit $$status

@@ -198,6 +198,7 @@ def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeo
         env = dict(os.environ)
         gates_parent = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([str(tree), gates_parent])
+        env["GATES_AUDIT"] = "1"  # conftest.py: Hypothesis does not shrink (a failure is all the audit needs)
         try:
             proc = subprocess.run(_gate_command(tree, mutation, all_phases, report), cwd=tree, env=env,
                                   capture_output=True, text=True, timeout=timeout_s)

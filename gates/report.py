@@ -111,6 +111,7 @@ def build_report(results, argv: list[str], exit_code: int) -> dict:
 
 
 def write_report(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     _say(f"report: {path}")
 

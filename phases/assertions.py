@@ -61,3 +61,25 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str, where:
         raise AssertionError(f"{what}: {int(differ.sum())} of {a.numel()} elements differ{_at(where)} (first at "
                              f"{_index(first, a.shape)}: {a.flatten()[first].item():.6g} vs "
                              f"{e.flatten()[first].item():.6g})")
+
+
+def assert_steps_close(actual: torch.Tensor, expected: torch.Tensor, prompt_len: int, tol: float, what: str,
+                       where: str = "") -> None:
+    """``assert_close`` for one sequence's rows from a paged run: rows ``[0, prompt_len)`` come
+    from the prefill, each later row from one decode step. On failure the message names the
+    first part that is off (prefill or decode step k) with its own error, since a fault in the
+    cache write shows in decode while one in the projections shows from the prefill on."""
+    __tracebackhide__ = True
+    a, e = _f64(actual), _f64(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != expected {tuple(e.shape)}{_at(where)}")
+    err = relative_error(a, e)
+    if err <= tol and a.isfinite().all():
+        return
+    parts = [("prefill", slice(0, prompt_len))] + [(f"decode step {i - prompt_len + 1}", slice(i, i + 1))
+                                                  for i in range(prompt_len, len(e))]
+    errors = [(name, relative_error(a[rows], e[rows]), bool(a[rows].isfinite().all())) for name, rows in parts]
+    name, part_err, finite = next((p for p in errors if p[1] > tol or not p[2]), max(errors, key=lambda p: p[1]))
+    state = "NaN/inf" if not finite else f"{part_err:.1e}"
+    raise AssertionError(f"{what}: relative error {err:.1e} > {tol:.0e}{_at(where)} (first off: {name}, {state}; "
+                         f"prefill {errors[0][1]:.1e})")

@@ -9,8 +9,9 @@ from transformers.models.qwen3 import modeling_qwen3
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.models.qwen import QwenAttention, QwenForCausalLM
+from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
-from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
+from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
 
@@ -50,9 +51,8 @@ def test_prefill_then_decode_matches_hf(arch, block_size):
     with torch.no_grad():
         got = run_paged(lambda x, pos: ours(pos, x), inputs, prompt_lens, block_size)
         want = [hf_attention_reference(hf_attn, rotary, x) for x in inputs]
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert rel_err(g, w) < 1e-4
+    for i, (g, w, n) in enumerate(zip(got, want, prompt_lens)):
+        assert_steps_close(g, w, n, 1e-4, "attention output", f"sequence {i} of {arch}, block size {block_size}")
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -69,8 +69,8 @@ def test_prefix_cached_prefill_reads_prefix_from_cache(block_size):
     with torch.no_grad():
         got = run_paged(lambda x, pos: ours(pos, x), inputs, prompt_lens, block_size, cached_lens=cached)
         want = [hf_attention_reference(hf_attn, rotary, x) for x in inputs]
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < 1e-4
+    for i, (g, w, n) in enumerate(zip(got, want, prompt_lens)):
+        assert_steps_close(g, w, n, 1e-4, "attention output", f"sequence {i} ({cached[i]} tokens cached)")
 
 
 @pytest.mark.parametrize("rank,size", [(0, 1), (1, 2), (3, 4)])
@@ -131,8 +131,8 @@ def test_rank_caches_its_own_kv_head(rank, size):
     reset_context()
     head = rank * cfg.num_key_value_heads // size
     assert ours.attn.k_cache.shape[2] == max(1, cfg.num_key_value_heads // size)
-    assert rel_err(ours.attn.k_cache[0, :n, 0], k[0, head]) < 1e-5
-    assert rel_err(ours.attn.v_cache[0, :n, 0], v[0, head]) < 1e-5
+    assert_close(ours.attn.k_cache[0, :n, 0], k[0, head], 1e-5, "cached K", f"rank {rank} of {size} (KV head {head})")
+    assert_close(ours.attn.v_cache[0, :n, 0], v[0, head], 1e-5, "cached V", f"rank {rank} of {size} (KV head {head})")
 
 
 def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
@@ -154,5 +154,5 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
         want_first = hf_attention_reference(hf_attn, rotary, first)
         want_second = hf_attention_reference(hf_attn, rotary, second)
     reset_context()
-    assert rel_err(out[:20], want_first) < 1e-4
-    assert rel_err(out[20:], want_second[16:]) < 1e-4
+    assert_close(out[:20], want_first, 1e-4, "attention output", "the sequence writing the shared block")
+    assert_close(out[20:], want_second[16:], 1e-4, "attention output", "the sequence reusing the shared block")

@@ -10,8 +10,9 @@ from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.layers.norm import RMSNorm
 from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP
+from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
-from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
+from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
 PACKED = QwenForCausalLM.packed_modules
@@ -37,7 +38,7 @@ def test_mlp_matches_hf(arch):
     load_from_hf(ours, hf, PACKED)
     x = torch.randn(37, hf_config(arch).hidden_size)
     with torch.no_grad():
-        assert rel_err(ours(x), hf(x)) < 1e-5
+        assert_close(ours(x), hf(x), 1e-5, "MLP output", arch)
 
 
 def test_rmsnorm_returns_a_pair_in_both_branches():
@@ -48,12 +49,13 @@ def test_rmsnorm_returns_a_pair_in_both_branches():
     x, res = torch.randn(5, 64), torch.randn(5, 64)
     out, residual = norm(x.clone())
     assert residual is not None and torch.equal(residual, x)
-    assert rel_err(out, rms_norm_f64(x, norm.weight, 1e-6)) < 1e-6
+    assert_close(out, rms_norm_f64(x, norm.weight, 1e-6), 1e-6, "RMSNorm output", "no residual")
     x2, res2 = x.clone(), res.clone()
     out, residual = norm(x2, res2)
     assert out is x2 and residual is res2  # in place
-    assert rel_err(residual, x.double() + res.double()) < 1e-6
-    assert rel_err(out, rms_norm_f64(x.double() + res.double(), norm.weight, 1e-6)) < 1e-6
+    assert_close(residual, x.double() + res.double(), 1e-6, "RMSNorm residual", "with a residual")
+    assert_close(out, rms_norm_f64(x.double() + res.double(), norm.weight, 1e-6), 1e-6, "RMSNorm output",
+                 "with a residual")
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
@@ -82,13 +84,14 @@ def test_decoder_layer_matches_hf(arch, first_layer):
     inputs = hidden if first_layer else [torch.cat([h, r], -1) for h, r in zip(hidden, residual)]
     with torch.no_grad():
         got = run_paged(step, inputs, prompt_lens, block_size)
-        for g, h, r in zip(got, hidden, residual):
+        for i, (g, h, r, n) in enumerate(zip(got, hidden, residual, prompt_lens)):
             x = h if first_layer else h + r
             pos = torch.arange(len(x))[None]
             want = hf(x[None], attention_mask=causal_mask(len(x)), position_ids=pos,
                       position_embeddings=rotary(x[None], pos))
             want = want[0] if isinstance(want, tuple) else want
-            assert rel_err(g, want[0]) < 1e-4
+            assert_steps_close(g, want[0], n, 1e-4, "decoder layer output (hidden + residual)",
+                               f"{'first' if first_layer else 'later'} layer, sequence {i} of {arch}")
 
 
 def test_every_norm_uses_its_own_layers_weight(monkeypatch):

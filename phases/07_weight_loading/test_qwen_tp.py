@@ -5,7 +5,8 @@ import torch
 import transformers
 
 from engine.kv_cache import bind_kv_cache
-from phases.harness import all_logits_step, load_engine_model, num_blocks_for, rel_err, run_paged
+from phases.assertions import assert_steps_close
+from phases.harness import all_logits_step, load_engine_model, num_blocks_for, run_paged
 
 pytestmark = pytest.mark.torchrun
 
@@ -22,5 +23,5 @@ def test_tp_logits_match_hf(tp_group, tiny_checkpoint, arch):
         got = run_paged(all_logits_step(model), sequences, prompt_lens, block_size)
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         want = [hf(ids[None]).logits[0] for ids in sequences]
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < 1e-4
+    for i, (g, w, n) in enumerate(zip(got, want, prompt_lens)):
+        assert_steps_close(g, w, n, 1e-4, "logits", f"rank {tp_group.rank} of {tp_group.size}, sequence {i} of {arch}")
