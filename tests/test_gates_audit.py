@@ -34,6 +34,9 @@ def audited(tmp_path_factory):
     (root / "toy.py").write_text(TOY)
     fms = [{"id": "FM-900", "symptom": "sums are wrong", "check": "c", "fix": "f", "tests": ["test_add"]}]
     write_phase(root, "01", gate("01", failure_modes=fms), {"test_toy.py": TEST_TOY})
+    later = [{"id": "FM-901", "symptom": "s", "check": "c", "fix": "f", "tests": ["test_unused"]}]
+    write_phase(root, "02", gate("02", ["01"], failure_modes=later),
+                {"test_later.py": "from toy import unused\n\n\ndef test_unused():\n    assert unused() == 1\n"})
     catalogue = root / "catalogue"
     catalogue.mkdir()
     (catalogue / "01.yaml").write_text(yaml.safe_dump(CATALOGUE, sort_keys=False))
@@ -71,6 +74,16 @@ def test_table_and_the_working_tree_left_alone(audited):
     assert "| M01-add-subtracts | 01 | FM-900 | caught | 01 | yes |" in out
     assert "| M01-untested | 01 | FM-901 | escaped | - | no |" in out
     assert (root / "toy.py").read_text() == TOY
+
+
+def test_all_phases_says_which_later_phase_catches_an_escape(audited):
+    root = audited[0]
+    report = root / "later.json"
+    code = main(["--root", str(root), "audit", "--catalogue", str(root / "catalogue"), "--report", str(report),
+                 "--only", "M01-untested", "--all-phases"])
+    (m,) = json.loads(report.read_text())["mutations"]
+    assert code == 1 and m["verdict"] == "caught-later" and m["caught_by"] == ["02"]
+    assert m["named"] == ["FM-901"] and m["hint_ok"]
 
 
 def test_selection_by_phase_and_failure_mode(tmp_path):
