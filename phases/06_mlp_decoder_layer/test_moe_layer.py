@@ -61,7 +61,8 @@ def engine_moe(variant, hf, ep=TPGroup(name="ep"), tp=TPGroup()):
     config = engine_config(arch, **overrides)
     ours = MoE(config.hidden_size, DeepseekConfig.from_model_config(config), tp, ep)
     holder = nn.Module()
-    holder.packed_modules, holder.expert_params = DeepseekV2ForCausalLM.packed_modules, DeepseekV2ForCausalLM.expert_params
+    holder.packed_modules = DeepseekV2ForCausalLM.packed_modules
+    holder.expert_params = DeepseekV2ForCausalLM.expert_params
     holder.m = ours
     load_weights(holder, (("m." + n, t) for n, t in published_tensors(hf)), progress=False)
     return ours

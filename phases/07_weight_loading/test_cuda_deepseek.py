@@ -99,9 +99,10 @@ def test_mla_decode_through_triton_matches_float64(monkeypatch):
         got = run_paged(lambda x, pos: ours(pos, x.bfloat16()), xs, prompt_lens, block_size)
     truth = hf_run(hf.double(), torch.float64)  # from the float32 weights, before they are rounded
     hf_bf16 = hf_run(hf.to(torch.bfloat16), torch.bfloat16)
-    decode = lambda outs: torch.cat([o[n:] for o, n in zip(outs, prompt_lens)])
-    prefill = lambda outs: torch.cat([o[:n] for o, n in zip(outs, prompt_lens)])
-    figures = {f"{part}_{who}": rel_err(cut(outs), cut(truth)) for part, cut in (("prefill", prefill), ("decode", decode))
+    def rows(outs, part):  # prompt rows or decode rows of every sequence
+        return torch.cat([o[:n] if part == "prefill" else o[n:] for o, n in zip(outs, prompt_lens)])
+
+    figures = {f"{part}_{who}": rel_err(rows(outs, part), rows(truth, part)) for part in ("prefill", "decode")
                for who, outs in (("ours", got), ("hf_bf16", hf_bf16))}
     print("MLA_LAYER_FIGURES " + json.dumps(figures))
     for part in ("prefill", "decode"):

@@ -17,8 +17,14 @@ from engine.loader import load_checkpoint
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.registry import creating_in
 from phases.checkpoints import V2_LITE
-from phases.harness import (all_logits_step, assert_no_host_sync_and_no_copies, count_step, num_blocks_for,
-                            rel_err, run_paged)
+from phases.harness import (
+    all_logits_step,
+    assert_no_host_sync_and_no_copies,
+    count_step,
+    num_blocks_for,
+    rel_err,
+    run_paged,
+)
 
 VARIANTS = {"V2": ("DeepseekV2ForCausalLM", {}), "V2-Lite": ("DeepseekV2ForCausalLM", V2_LITE),
             "V3": ("DeepseekV3ForCausalLM", {})}
