@@ -101,3 +101,31 @@ def test_model_is_built_in_its_final_dtype_without_a_float32_copy():
     assert total == pytest.approx(8.19e9, rel=0.01)
     assert created.converted_elements < 0.001 * total and created.float32_elements < 0.001 * total
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_tiny_config_values_reach_the_config_and_every_norm(tiny_checkpoint, arch):
+    """FM-033: the tiny checkpoints' rms_norm_eps and rope_theta differ from every default, but float32
+    logits cannot tell eps 1e-5 from 1e-6 (the change is far below the 1e-4 tolerance), so the values are
+    compared directly: in ModelConfig, in every RMSNorm of the built model and in the rotary table."""
+    from pathlib import Path
+
+    from engine import kernels
+    from engine.layers.norm import RMSNorm
+
+    model_dir = tiny_checkpoint(arch)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))  # transformers-5 form
+    config = ModelConfig.from_model_dir(model_dir)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
+        assert getattr(config, key) == raw[key], f"{key}: config has {getattr(config, key)}, config.json {raw[key]}"
+    model = build_model(config, "cpu")
+    norms = {name: m.eps for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    assert norms and all(eps == raw["rms_norm_eps"] for eps in norms.values()), \
+        f"RMSNorm eps differs from config.json's {raw['rms_norm_eps']}: {norms}"
+    rotary = model.model.layers[0].self_attn.rotary_emb
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    table, _ = kernels.get_cos_sin_cache(raw["max_position_embeddings"], head_dim, raw["rope_theta"],
+                                         config.rope_scaling)
+    assert rotary.cos_sin_cache is table, "the rotary table is not the one for config.json's rope_theta"
