@@ -4,7 +4,8 @@
   ``torchrun`` tests skip unless the process was started by torchrun
   (WORLD_SIZE > 1), so ``pytest phases/NN_x`` works directly.
 - ``tp_group``: the tensor-parallel group of this process (size 1 outside
-  torchrun).
+  torchrun), with a short collective timeout; under torchrun a rank that fails
+  a test aborts (``gates.pytest_plugin``), so no rank waits for it.
 - ``tiny_checkpoint``: a factory writing a tiny HF-format checkpoint directory
   (``phases/checkpoints.py``)
   whose every weight (norms included) is random, from a seed.
@@ -19,6 +20,10 @@ import torch
 from hypothesis import Phase, settings
 
 from phases.checkpoints import make_tiny_checkpoint
+
+# Also when torchrun runs pytest directly: a rank that fails a test aborts instead of leaving
+# the others waiting in a collective (it records results only under `python -m gates`).
+pytest_plugins = ["gates.pytest_plugin"]
 
 # Under `python -m gates audit` a failure is expected and only its report matters: Hypothesis
 # stops at the first failing example instead of spending minutes shrinking it.
