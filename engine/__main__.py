@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.bench import add_bench_command
+from engine.server import add_serve_command
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The LLMEngine options every subcommand that loads a model shares."""
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
     sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(run=generate)
+    add_serve_command(commands)
+    add_bench_command(commands)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,104 @@
+"""Shared by the phase-10 server tests: a tiny checkpoint whose every token is a word, a chat
+template, the server run in a background thread, and checks on the engine once it is idle."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.server import EngineLoop, OpenAIServer
+from phases.checkpoints import WORDS, make_tiny_checkpoint
+
+engine_cases = importlib.import_module("phases.09_engine_integration.engine_cases")
+
+# Every id of this vocabulary is a word or a special token, so generated text is never empty by accident.
+VOCAB = 2 + len(WORDS)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} said {{ m['content'] }} . {% endfor %}"
+                 "{% if add_generation_prompt %}assistant said{% endif %}")
+PROMPTS = ["the quick brown fox", "a garden of light", "river city mountain dark and lazy dog", "it is",
+           "the", "over the lazy dog was a fox", "this light is from the city", "by the river"]
+
+
+def make_word_checkpoint(path: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A tiny random Qwen3 checkpoint whose vocabulary is exactly the tokenizer's words, with
+    ``chat_template`` written into tokenizer_config.json (None: no template)."""
+    make_tiny_checkpoint(path, "Qwen3ForCausalLM", seed, vocab_size=VOCAB)
+    if chat_template is not None:
+        config_file = path / "tokenizer_config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": chat_template}))
+    return path
+
+
+@dataclass
+class Running:
+    server: OpenAIServer
+    url: str  # http://127.0.0.1:PORT
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self.server.engine_loop
+
+
+@contextlib.contextmanager
+def running_server(engine, model_name: str = "tiny"):
+    """Serve ``engine`` on a free loopback port from a background event loop; stopped on exit
+    (which, under torchrun, sends the worker ranks their stop command)."""
+    event_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=event_loop.run_forever, name="http", daemon=True)
+    thread.start()
+
+    def run(coroutine, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coroutine, event_loop).result(timeout)
+
+    async def make():
+        return OpenAIServer(EngineLoop(engine), model_name)
+
+    server = run(make())
+    try:
+        port = run(server.start("127.0.0.1", 0))
+        yield Running(server, f"http://127.0.0.1:{port}")
+    finally:
+        run(server.stop())
+        server.engine_loop.stop()  # also when start failed
+        event_loop.call_soon_threadsafe(event_loop.stop)
+        thread.join(10)
+        event_loop.close()
+
+
+def wait_idle(engine_loop: EngineLoop, timeout: float = 30.0) -> None:
+    """Wait until the engine has no unfinished request, then check that every KV block is free
+    and every request was forgotten (popped)."""
+    deadline = time.monotonic() + timeout
+    while engine_loop.call(lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.05)
+    engine_loop.call(engine_cases.assert_no_block_leaks)
+    held = engine_loop.call(lambda e: sorted(e._requests))
+    assert not held, f"the server left requests {held} in the engine"
+
+
+def http(url: str, body: bytes | dict | None = None, method: str | None = None) -> tuple[int, bytes]:
+    """Raw HTTP (the openai client cannot send malformed requests): status and body."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def assert_error_object(raw: bytes, param: str | None = None, code: str | None = None) -> dict:
+    """``raw`` is an OpenAI error object (with this param / code when given); returns its error."""
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert param is None or error["param"] == param, error
+    assert code is None or error["code"] == code, error
+    return error

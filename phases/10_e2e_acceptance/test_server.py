@@ -1,0 +1,288 @@
+"""The OpenAI-compatible server on CPU: real HTTP on loopback, the official openai client.
+
+One server (engine thread + aiohttp in a background thread) serves the module; an oracle
+LLMEngine on the same checkpoint gives the expected greedy outputs. Every test ends with
+the engine idle, every KV block free and every request forgotten.
+"""
+import asyncio
+import json
+
+import openai
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from server_cases import (
+    PROMPTS,
+    assert_error_object,
+    http,
+    make_word_checkpoint,
+    running_server,
+    wait_idle,
+)
+
+MAX_MODEL_LEN = 128
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_word_checkpoint(tmp_path_factory.mktemp("word-model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    """A second engine on the same checkpoint: each request alone, greedy, EOS ignored."""
+    engine = LLMEngine(model_dir, block_size=4, max_model_len=MAX_MODEL_LEN)
+
+    def greedy(prompt: str | list[int], max_tokens: int, stop=()) -> tuple[str, list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = engine.pop_request(rid)
+        return out.text, out.token_ids
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=32, max_model_len=MAX_MODEL_LEN)
+    with running_server(engine) as running:
+        yield running
+
+
+@pytest.fixture
+def client(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+    wait_idle(served.engine_loop)
+
+
+def test_completions_json_and_health(served, client, oracle):
+    """/health and /v1/models answer; /v1/completions takes a string, strings, token ids and
+    token-id lists and answers OpenAI-shaped JSON whose greedy text is the engine's own,
+    with finish_reason and usage right."""
+    assert http(served.url + "/health")[0] == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+    prompt = PROMPTS[0]
+    text, tokens = oracle(prompt, 6)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, **GREEDY)
+    assert out.object == "text_completion" and out.id and out.model == "tiny" and isinstance(out.created, int)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [(0, text, "length")]
+    prompt_ids = served.server.tokenizer.encode(prompt, add_special_tokens=False)
+    n_prompt = len(prompt_ids)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+
+    batch = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=5, **GREEDY)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [oracle(p, 5)[0] for p in PROMPTS[:3]]
+    assert batch.usage.completion_tokens == 15
+
+    ids = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=6, **GREEDY)
+    assert ids.choices[0].text == text
+    id_lists = client.completions.create(model="tiny", prompt=[prompt_ids, [5, 6, 7]], max_tokens=4, **GREEDY)
+    assert [c.text for c in sorted(id_lists.choices, key=lambda c: c.index)] == [oracle(prompt_ids, 4)[0],
+                                                                                 oracle([5, 6, 7], 4)[0]]
+
+    # a stop string ends the text before it, with finish_reason "stop"
+    long_text, _ = oracle(prompt, 12)
+    words = long_text.split()
+    stop = words[len(words) // 2]
+    stopped = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stop=[stop], **GREEDY)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == long_text[:long_text.index(stop)] == oracle(prompt, 12, stop=(stop,))[0]
+    # without max_tokens a completion gets 16 tokens (OpenAI's default)
+    assert client.completions.create(model="tiny", prompt=prompt, **GREEDY).usage.completion_tokens == 16
+
+
+def _stream_text(chunks) -> tuple[str, list[str], list, object]:
+    texts, finishes, usage = [], [], None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts.append(choice.text if hasattr(choice, "text") else (choice.delta.content or ""))
+            finishes.append(choice.finish_reason)
+    return "".join(texts), [t for t in texts if t], finishes, usage
+
+
+def test_streaming_matches_non_streaming(served, client, oracle):
+    """SSE chunks arrive step by step (text before the end), join to the non-streaming text
+    (stop strings included: nothing that turns into a stop string is ever sent), end with a
+    finish_reason, a usage chunk when asked, and data: [DONE]."""
+    for prompt, max_tokens in [(PROMPTS[1], 10), (PROMPTS[2], 7)]:
+        text, _ = oracle(prompt, max_tokens)
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY)
+        joined, pieces, finishes, usage = _stream_text(chunks)
+        assert joined == text
+        assert len(pieces) >= max_tokens - 1, f"text came in {len(pieces)} pieces, not one per step"
+        assert finishes[-1] == "length" and not any(finishes[:-1])
+        assert usage.completion_tokens == max_tokens and usage.total_tokens == usage.prompt_tokens + max_tokens
+
+    text, _ = oracle(PROMPTS[0], 12)
+    stop = " ".join(text.split()[3:5])  # a two-word stop string: its first word must be held back
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, stop=stop, **GREEDY)
+    streamed = _stream_text(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, stop=stop,
+                                                      stream=True, **GREEDY))
+    assert streamed[0] == plain.choices[0].text == text[:text.index(stop)]
+    assert streamed[2][-1] == plain.choices[0].finish_reason == "stop"
+
+    status, raw = http(served.url + "/v1/completions", {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 3,
+                                                        "stream": True, "temperature": 0})
+    events = raw.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_chat_completions(served, client, oracle):
+    """Chat messages go through the tokenizer's chat template (generation prompt added); JSON and
+    streaming answers equal the engine's greedy text of the rendered prompt."""
+    messages = [{"role": "system", "content": "the garden"}, {"role": "user", "content": "a fox in the city"}]
+    rendered = served.server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("assistant said")
+    text, _ = oracle(rendered, 8)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY)
+    assert out.object == "chat.completion"
+    assert (out.choices[0].message.role, out.choices[0].message.content, out.choices[0].finish_reason) == (
+        "assistant", text, "length")
+    n_prompt = len(served.server.tokenizer.encode(rendered, add_special_tokens=False))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 8)
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    joined, pieces, finishes, usage = _stream_text(chunks)
+    assert joined == text and len(pieces) > 1 and finishes[-1] == "length" and usage.completion_tokens == 8
+
+    # without max_tokens a chat completion may use all the room max_model_len leaves
+    room = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert room.usage.total_tokens == MAX_MODEL_LEN and room.choices[0].finish_reason == "length"
+
+
+def test_chat_without_template_is_a_400(tmp_path):
+    """A tokenizer without a chat template: /v1/chat/completions is a clear 400, completions work."""
+    engine = LLMEngine(make_word_checkpoint(tmp_path / "plain", seed=1, chat_template=None), block_size=4,
+                       max_model_len=64)
+    with running_server(engine, "plain") as running:
+        with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "hi"}])
+            assert e.value.code == "no_chat_template" and "chat template" in e.value.message
+            assert client.completions.create(model="plain", prompt="the", max_tokens=2).usage.completion_tokens == 2
+        wait_idle(running.engine_loop)
+
+
+def test_concurrent_requests_match_sequential(served, client, oracle):
+    """32 concurrent streaming clients each get the greedy text its prompt gets alone, and the
+    engine batched them: far fewer steps than tokens generated."""
+    prompts = [" ".join(PROMPTS[i % len(PROMPTS)].split()[:1 + i % 5] + PROMPTS[(i + 3) % len(PROMPTS)].split())
+               for i in range(32)]
+    max_tokens = [4 + i % 7 for i in range(32)]
+    expected = [oracle(p, n)[0] for p, n in zip(prompts, max_tokens)]
+
+    async def one(aclient, prompt, n):
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True, **GREEDY)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, max_tokens)))
+
+    steps_before = served.engine_loop.call(lambda e: e.num_steps)
+    assert asyncio.run(all_at_once()) == expected
+    steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
+    assert steps < sum(max_tokens) // 3, f"{steps} engine steps for {sum(max_tokens)} tokens: not batched"
+
+
+BAD_REQUESTS = [  # (path, body, status, param, code)
+    ("/v1/completions", b'{"model": "tiny", "prompt": "the', 400, None, None),
+    ("/v1/completions", b'["the"]', 400, None, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt", None),
+    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt", None),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, "the"]}, 400, "prompt", None),
+    ("/v1/completions", {"model": "tiny", "prompt": [[3, 99999]]}, 400, "prompt", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": "3"}, 400, "max_tokens", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "stop": [1]}, 400, "stop", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "logprobs": 1}, 400, "logprobs", None),
+    ("/v1/completions", {"model": "tiny", "prompt": [3] * MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": MAX_MODEL_LEN - 1}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "the"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "logprobs": True},
+     400, "logprobs", None),
+    ("/v1/nowhere", {"model": "tiny"}, 404, None, "not_found"),
+]
+
+
+def test_bad_requests_get_error_objects(served, client):
+    """Malformed JSON, missing or wrongly typed fields, bad sampling values, over-long prompts,
+    unknown models and routes: each its status and an OpenAI error object; the server serves on."""
+    for path, body, status, param, code in BAD_REQUESTS:
+        got, raw = http(served.url + path, body)
+        assert got == status, (path, body, got, raw)
+        error = assert_error_object(raw, param, code)
+        assert error["type"] == "invalid_request_error"
+    error = assert_error_object(http(served.url + "/v1/completions", {"prompt": [3] * 200})[1])
+    assert "200 tokens" in error["message"] and str(MAX_MODEL_LEN) in error["message"], "the limit is not named"
+    assert http(served.url + "/v1/completions", method="GET")[0] == 405
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="the", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="the")
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_client_disconnect_aborts_its_request(served, client, monkeypatch):
+    """A client that leaves mid-stream has its request aborted (not run to max_tokens); its KV
+    blocks are free once the engine is idle; other requests go on."""
+    engine = served.engine_loop.engine
+    aborted = []
+    real_abort = engine.abort_request
+    monkeypatch.setattr(engine, "abort_request", lambda rid: aborted.append(real_abort(rid)) or aborted[-1])
+    steps_before = served.engine_loop.call(lambda e: e.num_steps)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=100, stream=True, **GREEDY)
+    for _, chunk in zip(range(3), stream):
+        assert chunk.choices
+    stream.close()
+    wait_idle(served.engine_loop)
+    assert aborted == [True]
+    steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
+    assert steps < 50, f"the request ran {steps} steps after its client left"
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_engine_error_fails_only_its_request(served, client, oracle, monkeypatch):
+    """A forward that raises fails the requests of that batch with a 500 error object; a request
+    decoding alongside finishes with the right text and the server keeps serving."""
+    engine = served.engine_loop.engine
+    poison = 17
+    real_run = engine.runner.run
+
+    def run(batch, is_prefill):
+        if any(seq.prompt_token_ids[0] == poison for seq in batch):
+            raise RuntimeError("injected forward failure")
+        return real_run(batch, is_prefill)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    text, _ = oracle(PROMPTS[5], 30)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=30, stream=True, **GREEDY)
+    first = next(iter(stream)).choices[0].text  # decoding now
+    with pytest.raises(openai.InternalServerError, match="injected forward failure"):
+        client.completions.create(model="tiny", prompt=[poison, 3, 4], max_tokens=5)
+    assert first + _stream_text(stream)[0] == text
+    assert http(served.url + "/health")[0] == 200
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
