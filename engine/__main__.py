@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.bench import add_bench_command
 from engine.server import add_serve_command
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(run=generate)
     add_serve_command(commands)
+    add_bench_command(commands)
 
     args = parser.parse_args(argv)
     try:

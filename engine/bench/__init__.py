@@ -1,0 +1,252 @@
+"""``python -m engine bench latency | throughput | serve``: benchmarks that print a JSON report.
+
+latency     B=1 decode tok/s and ms/token, TTFT at 128 / 1024 / 4096-token prompts (clamped to
+            max_model_len), the host/GPU split of a decode step (CPU dispatch us per decoder layer)
+throughput  nano-vllm's shape: 256 sequences, random prompt and output lengths in [100, 1024],
+            random token ids, ignore_eos; output and total tok/s
+serve       an HTTP client for a running ``python -m engine serve`` (streaming /v1/completions):
+            TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput
+
+The model: ``--model DIR``, or ``--preset NAME --random-weights`` (full-size, random weights made
+on the device, no checkpoint). ``--compare hf`` times transformers on the same weights in the
+same process and adds ratios; ``--profile trace.json`` writes a torch-profiler chrome trace of a
+few decode steps and checks it is eager (no compiled region, Inductor kernel or CUDA graph
+launch). GPU utilisation and memory are sampled through NVML when nvidia-ml-py is installed.
+The report is the last line of stdout (and ``--output FILE``); progress bars go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+from engine.bench.models import PRESETS
+
+SERVE_DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def add_bench_command(commands) -> None:
+    """Add ``bench`` (with its three modes) to the ``python -m engine`` subcommands."""
+    from engine.__main__ import add_engine_arguments
+
+    bench = commands.add_parser("bench", help="benchmark latency, throughput or a running server (JSON report)",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = bench.add_subparsers(dest="mode", required=True)
+    latency = modes.add_parser("latency", help="B=1 decode tok/s, TTFT, host/GPU time of a decode step")
+    throughput = modes.add_parser("throughput", help="offline batch throughput (nano-vllm's shape)")
+    serve = modes.add_parser("serve", help="load a running server over HTTP (vLLM's serving metrics)")
+    for mode in (latency, throughput):
+        add_engine_arguments(mode)
+        source = mode.add_argument_group("model source")
+        source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config, used with --random-weights")
+        source.add_argument("--random-weights", action="store_true",
+                            help="random weights made on the device (needs --preset; no checkpoint read)")
+        extra = mode.add_argument_group("comparison and profiling")
+        extra.add_argument("--compare", choices=["hf"], help="also time transformers on the same weights")
+        extra.add_argument("--profile", metavar="TRACE_JSON", help="write a chrome trace of a few decode steps")
+        extra.add_argument("--profile-steps", type=int, default=5, help="decode steps traced (default 5)")
+    latency.add_argument("--prompt-lens", type=_int_list, default=[128, 1024, 4096], metavar="N,N,...",
+                         help="TTFT prompt lengths (default 128,1024,4096; clamped to max_model_len - 1)")
+    latency.add_argument("--repeats", type=int, default=3, help="TTFT runs per length, median reported (default 3)")
+    latency.add_argument("--decode-tokens", type=int, default=256, help="decode steps timed at B=1 (default 256)")
+    latency.add_argument("--decode-prompt-len", type=int, default=128, help="prompt before decoding (default 128)")
+    latency.add_argument("--split-steps", type=int, default=20,
+                         help="decode steps for the host/GPU time split (default 20)")
+    throughput.add_argument("--num-seqs", type=int, default=256, help="sequences (default 256)")
+    throughput.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (default 100)")
+    throughput.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (default 1024)")
+    throughput.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6, "
+                                                                            "as nano-vllm)")
+    throughput.add_argument("--hf-num-seqs", type=int, default=16,
+                            help="with --compare hf: sequences of the subset both engines run (default 16)")
+    serve.add_argument("--url", default=SERVE_DEFAULT_URL, help=f"server base URL (default {SERVE_DEFAULT_URL})")
+    vocab = serve.add_mutually_exclusive_group()
+    vocab.add_argument("--model", default=None, metavar="DIR",
+                       help="the served checkpoint (its vocab size bounds the random token ids; default: the "
+                            "demo model)")
+    vocab.add_argument("--preset", choices=sorted(PRESETS), help="the served preset (for its vocab size)")
+    serve.add_argument("--num-prompts", type=int, default=100, help="requests (default 100)")
+    serve.add_argument("--request-rate", type=float, default=math.inf,
+                       help="Poisson arrivals per second (default inf: all at once)")
+    serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    serve.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
+    serve.add_argument("--output-len", type=int, default=128, help="max_tokens per request (default 128)")
+    serve.add_argument("--range-ratio", type=float, default=0.0,
+                       help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
+    serve.add_argument("--health-timeout", type=float, default=60.0, help="seconds to wait for /health")
+    for mode in (latency, throughput, serve):
+        mode.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights (default 0)")
+        mode.add_argument("--output", metavar="FILE", help="also write the JSON report here")
+        mode.add_argument("--gpu-sample-interval", type=float, default=0.2, help="NVML sampling period in s")
+        mode.set_defaults(run=run_bench)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from engine.bench.monitor import GpuMonitor
+
+    _check_source(args)
+    report = {"bench": args.mode, "machine": machine(), "settings": _settings(args)}
+    with GpuMonitor(args.gpu_sample_interval) as monitor:
+        if args.mode == "serve":
+            report["serve"] = run_serve(args)
+        else:
+            run_offline(args, report)
+    report["gpu_monitor"] = monitor.report()
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs the bench; rank 0 reports
+        emit(report, args.output)
+    return 0
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    if args.mode == "serve":
+        return
+    if args.preset and not args.random_weights:
+        raise ValueError("--preset has no checkpoint: add --random-weights")
+    if args.random_weights and not args.preset:
+        raise ValueError("--random-weights needs --preset NAME")
+    if args.preset and args.model:
+        raise ValueError("give --model or --preset, not both")
+
+
+def model_config(args: argparse.Namespace):
+    from engine.config import ModelConfig
+    from engine.llm_engine import DEFAULT_MODEL_DIR
+
+    if args.preset:
+        return ModelConfig.from_dict(PRESETS[args.preset])
+    return ModelConfig.from_model_dir(args.model or DEFAULT_MODEL_DIR)
+
+
+def run_offline(args: argparse.Namespace, report: dict) -> None:
+    import torch
+
+    from engine.bench.models import open_engine
+
+    limit = model_config(args).max_position_embeddings
+    if args.max_model_len is None:  # as long as the benchmark needs, not the model's maximum
+        needed = (max(max(args.prompt_lens) + 1, args.decode_prompt_len + args.decode_tokens + 1)
+                  if args.mode == "latency" else 2 * args.max_len)
+        args.max_model_len = min(limit, needed)
+    if args.mode == "latency" and args.max_num_seqs is None:
+        args.max_num_seqs = 1
+    start = time.perf_counter()
+    with open_engine(args) as (engine, weights):
+        c = engine.config
+        report["model"] = {"source": f"preset {args.preset}" if args.preset else str(engine.model_dir),
+                           "weights": weights, "architecture": c.architecture, "num_layers": c.num_hidden_layers,
+                           "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": str(engine.dtype),
+                           "device": str(engine.device), "tp": engine.tp.size,
+                           "weight_gib_per_rank": engine.runner.weight_bytes / 2**30,
+                           "load_seconds": time.perf_counter() - start}
+        report["engine"] = {"max_model_len": engine.max_model_len, "max_num_seqs": engine.scheduler.max_num_seqs,
+                            "block_size": engine.block_manager.block_size, "kv_cache_blocks": engine.runner.num_blocks,
+                            "kv_cache_gib": engine.runner.kv_cache_bytes / 2**30}
+        (run_latency if args.mode == "latency" else run_throughput)(engine, args, report)
+        if engine.device.type == "cuda":
+            report["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+
+
+def run_latency(engine, args: argparse.Namespace, report: dict) -> None:
+    from engine.bench import offline
+    from engine.bench.trace import profile_decode
+
+    rng = random.Random(args.seed)
+    vocab, room = engine.config.vocab_size, engine.max_model_len
+    offline.warm_up(engine, rng)
+    report["ttft"] = [offline.measure_ttft(engine, rng, n, args.repeats) for n in args.prompt_lens]
+    prompt = offline.random_prompt(rng, min(args.decode_prompt_len, room // 2), vocab)
+    tokens = min(args.decode_tokens, room - len(prompt) - 1)
+    report["decode"] = offline.measure_decode(engine, prompt, tokens)
+    steps = min(args.split_steps, room - len(prompt) - 4)
+    report["step_split"] = offline.measure_step_split(engine, rng, len(prompt), steps)
+    if args.profile:
+        report["profile"] = profile_decode(engine, rng, args.profile, len(prompt),
+                                           min(args.profile_steps, room - len(prompt) - 4))
+    if args.compare == "hf":
+        from engine.bench.hf_compare import compare_decode
+        from engine.bench.models import hf_model
+
+        hf = compare_decode(hf_model(engine, args), prompt, tokens)
+        ours = report["decode"]["tok_s"]
+        hf["ratios"] = {f"ours_vs_{name}": ours / figures["tok_s"] for name, figures in hf.items()
+                        if "tok_s" in figures}
+        report["compare_hf"] = hf
+
+
+def run_throughput(engine, args: argparse.Namespace, report: dict) -> None:
+    from engine.bench import offline
+    from engine.bench.trace import profile_decode
+
+    if not 1 <= args.min_len <= args.max_len:
+        raise ValueError(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
+    rng = random.Random(args.seed)
+    prompts, output_lens = offline.throughput_workload(args.num_seqs, args.min_len, args.max_len,
+                                                       engine.config.vocab_size, engine.max_model_len, args.seed)
+    offline.warm_up(engine, rng)
+    report["throughput"] = {**offline.measure_throughput(engine, prompts, output_lens, args.temperature),
+                            "temperature": args.temperature}
+    if args.profile:
+        batch = min(args.num_seqs, engine.scheduler.max_num_seqs)
+        report["profile"] = profile_decode(engine, rng, args.profile, args.min_len, args.profile_steps, batch)
+    if args.compare == "hf":
+        from engine.bench.hf_compare import hf_batch_generate
+        from engine.bench.models import hf_model
+
+        # fresh prompts: the timed run's are in the prefix cache now
+        subset, lens = offline.throughput_workload(min(args.hf_num_seqs, args.num_seqs), args.min_len, args.max_len,
+                                                   engine.config.vocab_size, engine.max_model_len, args.seed + 1)
+        length = min(max(lens), engine.max_model_len - max(map(len, subset)))
+        ours = offline.measure_throughput(engine, subset, [length] * len(subset), 0.0, desc="throughput subset")
+        hf = hf_batch_generate(hf_model(engine, args), subset, length)
+        report["compare_hf"] = {
+            "subset": f"{len(subset)} new sequences of the same shape, each generating {length} tokens greedily "
+                      f"(HF's batched generate has one output length per batch; eager, DynamicCache, left padding)",
+            "ours": ours, "hf_eager": hf, "ratios": {"ours_vs_eager": ours["output_tok_s"] / hf["output_tok_s"]}}
+
+
+def run_serve(args: argparse.Namespace) -> dict:
+    from engine.bench.serve import bench_serve, serve_workload
+
+    prompts, output_lens = serve_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                                          model_config(args).vocab_size, args.seed)
+    return bench_serve(args.url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
+                       args.health_timeout)
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if torch.cuda.is_available():
+        info.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count(),
+                    cuda=torch.version.cuda)
+    else:
+        info["device"] = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return info
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in vars(args).items() if k not in ("run", "command")}
+
+
+def emit(report: dict, output: str | None) -> None:
+    """A few readable lines on stderr; the report as one JSON line on stdout (and in ``output``)."""
+    for key in ("decode", "step_split", "throughput", "serve", "compare_hf"):
+        if key in report:
+            print(f"{key}: {json.dumps(report[key])[:400]}", file=sys.stderr)
+    if output:
+        Path(output).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report), flush=True)

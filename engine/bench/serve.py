@@ -1,0 +1,164 @@
+"""``bench serve``: an HTTP load generator for an OpenAI-compatible ``/v1/completions`` server,
+with vLLM's benchmark conventions. Requests stream (SSE); prompts are random token ids.
+
+Per request: TTFT (send -> first chunk with a choice), ITL (gaps between later ones), TPOT
+((E2E - TTFT) / (output tokens - 1)), E2E latency; output tokens from the final usage chunk.
+Arrivals are a Poisson process of ``request_rate`` per second (inf: all at once), at most
+``max_concurrency`` requests in flight."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    ok: bool = False
+    error: str | None = None
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated ``q``-th percentile (numpy's default)."""
+    values = sorted(values)
+    pos = (len(values) - 1) * q / 100
+    low, high = math.floor(pos), math.ceil(pos)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
+
+def summary_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": 1e3 * sum(values) / len(values), "median": 1e3 * percentile(values, 50),
+            "p99": 1e3 * percentile(values, 99)}
+
+
+async def send_request(session, url: str, prompt: list[int], max_tokens: int) -> RequestResult:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    result = RequestResult(len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                return result
+            async for line in response.content:
+                data = line.strip().removeprefix(b"data:").strip()
+                if not data:
+                    continue
+                if data == b"[DONE]":
+                    result.ok = result.error is None
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))[:500]
+                    continue
+                now = time.perf_counter()
+                if chunk.get("choices"):  # new text, or the finish (a token may decode to no text yet)
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+        result.error = f"{type(e).__name__}: {e}"[:500]
+    result.e2e = time.perf_counter() - start
+    if result.ok and result.output_tokens == 0:
+        result.ok, result.error = False, "the stream carried no usage chunk"
+    return result
+
+
+def serve_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
+    """Random token-id prompts and output lengths, uniform in [len * (1 - r), len * (1 + r)]."""
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))
+
+    prompts = [[rng.randrange(vocab) for _ in range(length(input_len))] for _ in range(num_prompts)]
+    return prompts, [length(output_len) for _ in range(num_prompts)]
+
+
+async def run_load(url: str, prompts: list[list[int]], output_lens: list[int], request_rate: float,
+                   max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    """Send every request (Poisson arrivals, bounded concurrency); results and wall seconds."""
+    import aiohttp
+
+    rng = random.Random(seed + 1)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        with tqdm(total=len(prompts), desc="serve", unit="req") as bar:
+            async def one(prompt, max_tokens):
+                if limit is None:
+                    result = await send_request(session, url, prompt, max_tokens)
+                else:
+                    async with limit:
+                        result = await send_request(session, url, prompt, max_tokens)
+                bar.update()
+                return result
+
+            start = time.perf_counter()
+            tasks = []
+            for prompt, max_tokens in zip(prompts, output_lens):
+                tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+                if math.isfinite(request_rate):
+                    await asyncio.sleep(rng.expovariate(request_rate))
+            results = await asyncio.gather(*tasks)
+            return results, time.perf_counter() - start
+
+
+def serve_metrics(results: list[RequestResult], seconds: float) -> dict:
+    done = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    input_tokens = sum(r.prompt_len for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    return {
+        "completed": len(done), "failed": len(failed), "first_error": failed[0].error if failed else None,
+        "duration_s": seconds, "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "request_throughput": len(done) / seconds, "output_throughput": output_tokens / seconds,
+        "total_token_throughput": (input_tokens + output_tokens) / seconds,
+        "ttft_ms": summary_ms([r.ttft for r in done]),
+        "tpot_ms": summary_ms([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
+        "itl_ms": summary_ms([gap for r in done for gap in r.itl]),
+        "e2el_ms": summary_ms([r.e2e for r in done]),
+    }
+
+
+async def wait_healthy(url: str, timeout_s: float) -> None:
+    """Until ``GET /health`` answers 200 (or raise after ``timeout_s``)."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+
+def bench_serve(url: str, prompts, output_lens, request_rate: float, max_concurrency: int | None, seed: int,
+                health_timeout_s: float = 60.0) -> dict:
+    url = url.rstrip("/")
+    asyncio.run(wait_healthy(url, health_timeout_s))
+    results, seconds = asyncio.run(run_load(url, prompts, output_lens, request_rate, max_concurrency, seed))
+    return serve_metrics(results, seconds)

@@ -1,0 +1,318 @@
+"""python -m engine bench latency | throughput | serve, end to end on tiny models (CPU, short
+settings): every mode writes a complete JSON report whose figures are consistent with each other
+and with what was asked; --compare hf ratios are the ratios of the reported figures; the eager
+trace check passes on a real --profile trace and flags compiled / Inductor / CUDA-graph events.
+The cuda test runs all three modes on the GPU (the lead's smoke run on the H200)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(capsys, *argv) -> dict:
+    """Run ``python -m engine bench ...`` in this process; the report on stdout's last line."""
+    assert main(["bench", *map(str, argv)]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel)
+
+
+def check_common(report: dict, mode: str, device: str = "cpu") -> None:
+    assert report["bench"] == mode
+    assert report["machine"]["torch"] == torch.__version__ and report["machine"]["device"]
+    monitor = report["gpu_monitor"]
+    assert ("unavailable" in monitor) != ("devices" in monitor), monitor
+    if device == "cpu":
+        assert "unavailable" in monitor
+    if mode != "serve":
+        assert report["model"]["num_layers"] == 2 and report["model"]["device"].startswith(device)
+        assert report["engine"]["kv_cache_blocks"] > 0
+
+
+def test_latency_random_weights(capsys, tmp_path):
+    trace, output = tmp_path / "trace.json", tmp_path / "report.json"
+    report = bench(capsys, "latency", "--preset", "tiny-qwen3", "--random-weights", "--max-model-len", 96,
+                   "--prompt-lens", "16,64,4096", "--repeats", 2, "--decode-tokens", 24, "--decode-prompt-len", 16,
+                   "--split-steps", 4, "--compare", "hf", "--profile", trace, "--profile-steps", 3,
+                   "--output", output)
+    check_common(report, "latency")
+    assert json.loads(output.read_text()) == report
+    assert report["model"]["weights"].startswith("random") and report["engine"]["max_model_len"] == 96
+
+    assert [t["prompt_len"] for t in report["ttft"]] == [16, 64, 95]  # 4096 clamped to max_model_len - 1
+    for t in report["ttft"]:
+        assert len(t["ms_all"]) == 2 and t["ms"] > 0 and min(t["ms_all"]) <= t["ms"] <= max(t["ms_all"])
+
+    decode = report["decode"]
+    assert decode["tokens"] == decode["steps"] == 24 and decode["prompt_len"] == 16
+    assert close(decode["tok_s"], 24 / decode["seconds"]) and close(decode["ms_per_token"] * decode["tok_s"], 1e3)
+
+    split = report["step_split"]
+    assert split["steps"] == 4 and split["gpu_us_per_step"] is None  # CPU: host time only
+    assert 0 < split["host_dispatch_us_forward"] <= split["host_dispatch_us_per_step"]
+    assert close(split["cpu_dispatch_us_per_layer"] * 2, split["host_dispatch_us_forward"])
+
+    profile = report["profile"]
+    assert Path(profile["trace"]) == trace and trace.is_file() and profile["decode_steps"] == 3
+    assert profile["check"]["eager"] and profile["check"]["events"] > 0
+
+    compare = report["compare_hf"]
+    assert compare["eager"]["tokens"] == 24 and compare["eager"]["prompt_len"] == 16
+    assert close(compare["eager"]["tok_s"], 24 / compare["eager"]["seconds"])
+    assert "CUDA" in compare["static_compile"]["skipped"]
+    assert compare["ratios"] == {"ours_vs_eager": pytest.approx(decode["tok_s"] / compare["eager"]["tok_s"])}
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "preset"])
+def test_throughput(capsys, tiny_checkpoint, source):
+    from engine.bench.offline import throughput_workload
+
+    model = (["--model", tiny_checkpoint()] if source == "checkpoint"
+             else ["--preset", "tiny-qwen3", "--random-weights"])
+    compare = ["--compare", "hf", "--hf-num-seqs", 3] if source == "checkpoint" else []
+    report = bench(capsys, "throughput", *model, "--num-seqs", 6, "--min-len", 4, "--max-len", 24, "--seed", 3,
+                   *compare)
+    check_common(report, "throughput")
+    assert report["engine"]["max_model_len"] == 48  # prompt and output up to --max-len each
+    prompts, output_lens = throughput_workload(6, 4, 24, 512, 48, 3)
+    result = report["throughput"]
+    assert result["num_seqs"] == 6 and result["temperature"] == 0.6
+    assert result["input_tokens"] == sum(map(len, prompts)) and result["output_tokens"] == sum(output_lens)
+    assert close(result["output_tok_s"], result["output_tokens"] / result["seconds"])
+    assert close(result["total_tok_s"], (result["input_tokens"] + result["output_tokens"]) / result["seconds"])
+    assert result["steps"] >= max(output_lens)  # at least one decode step per token of the longest output
+    if source == "checkpoint":
+        compare = report["compare_hf"]
+        ours, hf = compare["ours"], compare["hf_eager"]
+        assert ours["num_seqs"] == hf["num_seqs"] == 3 and ours["output_tokens"] == hf["output_tokens"]
+        assert hf["output_tokens"] == 3 * hf["output_len"] and str(hf["output_len"]) in compare["subset"]
+        assert compare["ratios"] == {"ours_vs_eager": pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])}
+
+
+def test_trace_check_flags_compiled_and_graph_events(tmp_path):
+    """The eager check counts each kind of non-eager event in a chrome trace (ours are named
+    ``_..._kernel``; Inductor's ``triton_poi_fused_...``)."""
+    from engine.bench.trace import eager_trace_check
+
+    eager_events = [{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 0, "dur": 5},
+                    {"name": "_rms_norm_kernel", "cat": "kernel", "ph": "X", "ts": 1, "dur": 2},
+                    {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ph": "X", "ts": 1, "dur": 1}]
+    planted = {"compiled_function_events": {"name": "Torch-Compiled Region: 0/0", "cat": "user_annotation"},
+               "inductor_kernel_events": {"name": "triton_poi_fused_add_mul_0", "cat": "kernel"},
+               "cuda_graph_launches": {"name": "cudaGraphLaunch", "cat": "cuda_runtime"}}
+
+    def check(events):
+        path = tmp_path / "trace.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+        return eager_trace_check(path)
+
+    clean = check(eager_events)
+    assert clean["eager"] and clean["events"] == 3 and clean["gpu_kernel_events"] == 1
+    for key, event in planted.items():
+        result = check(eager_events + [event, event])
+        assert result[key] == 2 and not result["eager"], (key, result)
+        assert all(result[k] == 0 for k in planted if k != key)
+    assert not check([])["eager"]  # an empty trace proves nothing
+
+
+def test_compile_failure_is_reported_not_raised(tiny_checkpoint, monkeypatch):
+    """--compare hf: when the static-cache + compile run fails, the report carries its error and
+    the eager figures; the model's generation config is left as it was."""
+    import transformers
+
+    from engine.bench.hf_compare import compare_decode
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint())).eval()
+    real_generate = hf.generate
+
+    def generate(*args, **kwargs):
+        if hf.generation_config.cache_implementation == "static":
+            raise RuntimeError("planted compile failure")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "generate", generate)
+    result = compare_decode(hf, list(range(3, 11)), 4, compile=True)
+    assert result["eager"]["tokens"] == 4 and result["eager"]["tok_s"] > 0
+    assert result["static_compile"] == {"error": "RuntimeError: planted compile failure"}
+    assert hf.generation_config.cache_implementation is None and hf.generation_config.compile_config is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny-qwen3"], "--random-weights"),
+    (["--random-weights"], "--preset"),
+    (["--random-weights", "--preset", "tiny-qwen3", "--model", "x"], "not both"),
+])
+def test_model_source_errors(capsys, argv, message):
+    assert main(["bench", "latency", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+class StubServer:
+    """An SSE /v1/completions stub in a thread: each request streams ``max_tokens`` one-token
+    chunks ``gap_s`` apart (the first after ``gap_s`` too), then a usage chunk and [DONE]; it
+    records the most requests in flight at once."""
+
+    def __init__(self, gap_s: float):
+        self.gap_s, self.in_flight, self.max_in_flight = gap_s, 0, 0
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _completions(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        assert body["stream"] and body["ignore_eos"] and body["stream_options"]["include_usage"]
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(self.gap_s)
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        self.in_flight -= 1
+        return response
+
+    async def _serve(self):
+        from aiohttp import web
+
+        app = web.Application()
+        async def health(request):
+            return web.json_response({"status": "ok"})
+
+        app.add_routes([web.get("/health", health), web.post("/v1/completions", self._completions)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self.stop = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.ready.set()
+        await self.stop.wait()
+        await runner.cleanup()
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+
+
+def test_serve_metrics_follow_vllm_conventions(capsys):
+    """Against a stub with a known chunk gap: TTFT, ITL and TPOT are that gap, E2E is
+    TTFT + (n - 1) gaps, concurrency never exceeds --max-concurrency, token counts add up."""
+    pytest.importorskip("aiohttp")
+    gap = 0.03
+    with StubServer(gap) as stub:
+        report = bench(capsys, "serve", "--url", stub.url, "--preset", "tiny-qwen3", "--num-prompts", 6,
+                       "--input-len", 10, "--output-len", 4, "--max-concurrency", 2)
+    check_common(report, "serve")
+    assert stub.max_in_flight == 2
+    s = report["serve"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["first_error"] is None
+    assert s["input_tokens"] == 60 and s["output_tokens"] == 24
+    assert close(s["request_throughput"], 6 / s["duration_s"])
+    assert close(s["output_throughput"], 24 / s["duration_s"])
+    assert close(s["total_token_throughput"], 84 / s["duration_s"])
+    assert s["duration_s"] >= 3 * 4 * gap  # three rounds of two requests, four gaps each
+    assert s["ttft_ms"]["median"] >= 1e3 * gap  # the first chunk comes one gap after the request
+    for key in ("ttft_ms", "itl_ms", "tpot_ms"):  # chunk arrivals may bunch on a loaded machine: loose bounds
+        stats = s[key]
+        assert 0.5e3 * gap <= stats["median"] <= 1e3 * gap + 50, (key, stats)
+        assert stats["median"] <= stats["p99"] + 1e-9 and stats["mean"] > 0
+    e2e = s["e2el_ms"]
+    assert close(e2e["mean"], s["ttft_ms"]["mean"] + 3 * s["tpot_ms"]["mean"], 1e-6)
+
+
+def start_server(model_dir, device: str = "cpu") -> tuple[subprocess.Popen, str]:
+    """``python -m engine serve --port 0`` in a subprocess; returns it and its URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", "0",
+                             "--device", device], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        found = re.search(r"serving .* on (http://\S+)", line)
+        if found:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return proc, found[1]
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"the server did not start (exit code {proc.poll()})")
+
+
+def serve_against_engine(capsys, model_dir, device: str = "cpu") -> dict:
+    proc, url = start_server(model_dir, device)
+    try:
+        return bench(capsys, "serve", "--url", url, "--model", model_dir, "--num-prompts", 5, "--input-len", 12,
+                     "--output-len", 6, "--range-ratio", 0.5, "--request-rate", 50, "--max-concurrency", 3)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_against_engine_server(capsys, tiny_checkpoint):
+    """bench serve against ``python -m engine serve`` on a tiny checkpoint: every request
+    completes with exactly the tokens asked (ignore_eos), counted from the usage chunks."""
+    try:
+        import engine.server  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"engine.server cannot be imported yet: {e}")
+    from engine.bench.serve import serve_workload
+
+    report = serve_against_engine(capsys, tiny_checkpoint())
+    check_common(report, "serve")
+    prompts, output_lens = serve_workload(5, 12, 6, 0.5, 512, 0)
+    s = report["serve"]
+    assert s["completed"] == 5 and s["failed"] == 0, s["first_error"]
+    assert s["input_tokens"] == sum(map(len, prompts)) and s["output_tokens"] == sum(output_lens)
+    assert all(s[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms", "e2el_ms")), json.dumps(s)
+
+
+@pytest.mark.cuda
+def test_bench_modes_on_cuda(capsys, tmp_path, tiny_checkpoint):
+    """The H200 smoke run: all three modes on CUDA with a tiny model; GPU step time measured,
+    our profiled decode eager with GPU kernels in the trace, HF's compiled run reported (its
+    figures or its error), NVML samples when nvidia-ml-py is installed."""
+    tiny = ["--preset", "tiny-qwen3", "--random-weights", "--device", "cuda"]
+    latency = bench(capsys, "latency", *tiny, "--max-model-len", 256, "--prompt-lens", "16,128,4096",
+                    "--decode-tokens", 32, "--decode-prompt-len", 16, "--compare", "hf",
+                    "--profile", tmp_path / "trace.json")
+    check_common(latency, "latency", "cuda")
+    split = latency["step_split"]
+    assert split["gpu_us_per_step"] > 0 and split["cpu_dispatch_us_per_layer"] > 0
+    profile = latency["profile"]
+    assert profile["check"]["eager"] and profile["check"]["gpu_kernel_events"] > 0
+    assert profile["gpu_kernel_us_per_step"] > 0
+    compiled = latency["compare_hf"]["static_compile"]
+    assert "tok_s" in compiled or "error" in compiled, compiled
+    print(json.dumps({"static_compile": compiled}), file=sys.stderr)
+
+    throughput = bench(capsys, "throughput", *tiny, "--num-seqs", 16, "--min-len", 8, "--max-len", 64,
+                       "--compare", "hf", "--hf-num-seqs", 4)
+    check_common(throughput, "throughput", "cuda")
+    assert throughput["throughput"]["output_tok_s"] > 0
+
+    report = serve_against_engine(capsys, tiny_checkpoint(), "cuda")
+    assert report["serve"]["completed"] == 5, report["serve"]["first_error"]
