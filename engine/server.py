@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import queue
 import re
 import signal
@@ -661,7 +662,8 @@ async def _serve(server: OpenAIServer, host: str, port: int) -> None:
         event_loop.add_signal_handler(sig, server.done.set)
     try:
         port = await server.start(host, port)
-        print(f"agent-infer: serving {server.model_name!r} on http://{host}:{port}", file=sys.stderr, flush=True)
+        print(f"agent-infer: serving {server.model_name!r} on http://{host}:{port} (pid {os.getpid()})",
+              file=sys.stderr, flush=True)
         await server.done.wait()
     finally:
         await server.stop()

@@ -6,6 +6,11 @@ import asyncio
 import contextlib
 import importlib
 import json
+import os
+import queue
+import re
+import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -102,3 +107,51 @@ def assert_error_object(raw: bytes, param: str | None = None, code: str | None =
     assert param is None or error["param"] == param, error
     assert code is None or error["code"] == code, error
     return error
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    url: str
+    pid: int  # the serving process (rank 0 under torchrun)
+    stderr: list[str]  # every line so far
+
+
+def start_server_process(command: list[str], timeout: float = 120.0) -> ServerProcess:
+    """Run ``command`` (a ``... -m engine serve --port 0 ...``) from the repository root and wait
+    for its "serving ... on http://HOST:PORT (pid N)" line on stderr."""
+    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    lines: list[str] = []
+    banner: queue.Queue = queue.Queue()
+
+    def read():
+        for line in process.stderr:
+            lines.append(line)
+            if match := re.search(r"serving .* on (http://\S+) \(pid (\d+)\)", line):
+                banner.put(match)
+        banner.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        match = banner.get(timeout=timeout)
+    except queue.Empty:
+        match = None
+    if match is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the server never started:\n" + "".join(lines))
+    return ServerProcess(process, match[1], int(match[2]), lines)
+
+
+def stop_server_process(server: ServerProcess, sig: int, pid: int | None = None, timeout: float = 60.0) -> int:
+    """Send ``sig`` to ``pid`` (default: the process started) and return the exit code; kill the
+    whole process group and fail when it does not exit within ``timeout``."""
+    os.kill(server.process.pid if pid is None else pid, sig)
+    try:
+        return server.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        raise AssertionError(f"still running {timeout:g} s after signal {sig}:\n" + "".join(server.stderr)) from None

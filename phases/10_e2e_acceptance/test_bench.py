@@ -131,6 +131,48 @@ def test_trace_check_flags_compiled_and_graph_events(tmp_path):
     assert not check([])["eager"]  # an empty trace proves nothing
 
 
+def profiled_trace(fn, path: Path, device: str) -> Path:
+    """A chrome trace of three calls of ``fn`` (after three untraced ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def test_trace_check_flags_a_real_compiled_trace(tmp_path):
+    """A real profiler trace of a torch.compile'd function (TorchDynamo, eager backend: no C++
+    build on CPU) fails the check."""
+    from engine.bench.trace import eager_trace_check
+
+    compiled = torch.compile(lambda x: (x * 2).sin() + 1, backend="eager")
+    x = torch.randn(64)
+    result = eager_trace_check(profiled_trace(lambda: compiled(x), tmp_path / "trace.json", "cpu"))
+    assert result["compiled_function_events"] > 0 and not result["eager"], result
+
+
+@pytest.mark.cuda
+def test_trace_check_flags_inductor_kernels_and_cuda_graphs(tmp_path):
+    """On the GPU: Inductor's kernels (default mode) and CUDA graph launches (reduce-overhead)
+    in real traces are counted."""
+    from engine.bench.trace import eager_trace_check
+
+    x = torch.randn(4096, device="cuda")
+    inductor = torch.compile(lambda x: (x * 2).sin() + 1)
+    result = eager_trace_check(profiled_trace(lambda: inductor(x), tmp_path / "inductor.json", "cuda"))
+    assert result["inductor_kernel_events"] > 0 and result["compiled_function_events"] > 0, result
+    graphs = torch.compile(lambda x: (x * 3).cos() - 1, mode="reduce-overhead")
+    result = eager_trace_check(profiled_trace(lambda: graphs(x), tmp_path / "graphs.json", "cuda"))
+    assert result["cuda_graph_launches"] > 0 and not result["eager"], result
+
+
 def test_compile_failure_is_reported_not_raised(tiny_checkpoint, monkeypatch):
     """--compare hf: when the static-cache + compile run fails, the report carries its error and
     the eager figures; the model's generation config is left as it was."""

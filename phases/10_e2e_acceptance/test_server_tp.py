@@ -1,0 +1,141 @@
+"""The server under torchrun (gloo): rank 0 serves HTTP to a client in its own process, the
+other ranks mirror rank 0's broadcast commands, and every rank runs the same steps. A worker
+that never gets rank 0's stop fails its test within STOP_TIMEOUT_S instead of hanging."""
+import argparse
+import asyncio
+import signal
+import socket
+import threading
+
+import openai
+import pytest
+import torch.distributed as dist
+
+from engine.llm_engine import LLMEngine
+from engine.server import add_serve_command, mirror_rank0, serve
+from server_cases import PROMPTS, engine_cases, make_word_checkpoint, running_server, wait_idle
+
+pytestmark = pytest.mark.torchrun
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+STOP_TIMEOUT_S = 30
+
+
+@pytest.fixture
+def model_dir(tp_group, tmp_path_factory):
+    """One word-level checkpoint written by rank 0, its path on every rank."""
+    path = [make_word_checkpoint(tmp_path_factory.mktemp("word-model"), seed=4) if tp_group.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def mirror_until_stopped(engine) -> None:
+    """``mirror_rank0`` on a thread: fails when rank 0's stop has not come within STOP_TIMEOUT_S."""
+    errors = []
+
+    def run():
+        try:
+            mirror_rank0(engine)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(STOP_TIMEOUT_S)
+    assert not thread.is_alive(), f"rank {dist.get_rank()} is still mirroring: rank 0's stop never came"
+    assert not errors, errors
+
+
+def test_tp_server_ranks_stay_in_step(tp_group, model_dir, monkeypatch):
+    """Concurrent requests (streaming, JSON, one client leaving mid-stream) through a TP server
+    get the greedy text each gets alone; every rank ran the same batches and tokens; every
+    rank's KV blocks are free at the end."""
+    assert tp_group.size > 1
+    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=8, max_model_len=96)
+    lengths = [3, 9, 5, 12, 7, 4]
+    expected = [engine.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(PROMPTS, lengths)]
+    trace = []
+    real_run = engine.runner.run
+
+    def run(batch, is_prefill):
+        tokens = real_run(batch, is_prefill)
+        trace.append((is_prefill, [(s.request_id, s.num_tokens) for s in batch], list(tokens)))
+        return tokens
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    if tp_group.rank == 0:
+        with running_server(engine) as running:
+            got = asyncio.run(_clients(running.url, lengths))
+            wait_idle(running.engine_loop)
+        assert got == expected
+    else:
+        mirror_until_stopped(engine)
+    traces = [None] * tp_group.size
+    dist.all_gather_object(traces, trace)
+    assert len(trace) > 1 and all(t == traces[0] for t in traces), "ranks ran different steps"
+    assert any(len(batch) > 1 for _, batch, _ in trace), "the requests were never batched"
+    engine_cases.assert_no_block_leaks(engine)
+
+
+async def _clients(url: str, lengths: list[int]) -> list[str]:
+    """PROMPTS[:len(lengths)] at once (every other one streamed) while one more client leaves
+    mid-stream; the texts in prompt order."""
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        async def one(i: int, n: int) -> str:
+            if i % 2:
+                out = await client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=n, **GREEDY)
+                return out.choices[0].text
+            stream = await client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=n, stream=True,
+                                                     **GREEDY)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        async def leaver() -> None:
+            stream = await client.completions.create(model="tiny", prompt=PROMPTS[-1], max_tokens=80, stream=True,
+                                                     **GREEDY)
+            async for _ in stream:
+                break
+            await stream.close()
+
+        *texts, _ = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)), leaver())
+        return texts
+
+
+def test_workers_exit_when_rank0_stops(tp_group, model_dir):
+    """Worker ranks leave their loop when rank 0's engine loop fails (its finally sends the stop;
+    the waiting request gets a 503 and the server ends) and when rank 0's ``serve`` fails before
+    serving (the port is taken)."""
+    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=4, max_model_len=64)
+    if tp_group.rank == 0:
+        with running_server(engine) as running:
+            def fail():
+                raise RuntimeError("injected failure on rank 0")
+
+            running.engine_loop._take_commands = fail  # the next iteration fails
+            with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
+                with pytest.raises(openai.APIStatusError) as e:
+                    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=50, **GREEDY)
+            assert e.value.status_code == 503
+            assert isinstance(running.engine_loop.failure, RuntimeError)
+            running.engine_loop._thread.join(STOP_TIMEOUT_S)
+            assert running.server.done.is_set() and not running.engine_loop.alive
+    else:
+        mirror_until_stopped(engine)
+    dist.barrier()
+
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = parser.parse_args(["serve", "--model", str(model_dir), "--port", str(taken.getsockname()[1]),
+                                  "--block-size", "4", "--max-model-len", "64", "--max-num-seqs", "2"])
+        if tp_group.rank == 0:
+            with pytest.raises(OSError):
+                serve(args)
+        else:
+            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                assert serve(args) == 0  # returns on rank 0's stop
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+    dist.barrier()
