@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.qwen import QwenForCausalLM, QwenVLTextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -16,6 +17,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": QwenForCausalLM,
     **dict.fromkeys(("Qwen2VLForCausalLM", "Qwen2_5_VLForCausalLM", "Qwen2VLForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration"), QwenVLTextForCausalLM),
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 
