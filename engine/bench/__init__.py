@@ -41,12 +41,13 @@ def add_bench_command(commands) -> None:
     latency = modes.add_parser("latency", help="B=1 decode tok/s, TTFT, host/GPU time of a decode step")
     throughput = modes.add_parser("throughput", help="offline batch throughput (nano-vllm's shape)")
     serve = modes.add_parser("serve", help="load a running server over HTTP (vLLM's serving metrics)")
-    for mode in (latency, throughput):
+    for mode in (latency, throughput, serve):
         add_engine_arguments(mode)
         source = mode.add_argument_group("model source")
         source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config, used with --random-weights")
         source.add_argument("--random-weights", action="store_true",
                             help="random weights made on the device (needs --preset; no checkpoint read)")
+    for mode in (latency, throughput):
         extra = mode.add_argument_group("comparison and profiling")
         extra.add_argument("--compare", choices=["hf"], help="also time transformers on the same weights")
         extra.add_argument("--profile", metavar="TRACE_JSON", help="write a chrome trace of a few decode steps")
@@ -66,11 +67,9 @@ def add_bench_command(commands) -> None:
     throughput.add_argument("--hf-num-seqs", type=int, default=16,
                             help="with --compare hf: sequences of the subset both engines run (default 16)")
     serve.add_argument("--url", default=SERVE_DEFAULT_URL, help=f"server base URL (default {SERVE_DEFAULT_URL})")
-    vocab = serve.add_mutually_exclusive_group()
-    vocab.add_argument("--model", default=None, metavar="DIR",
-                       help="the served checkpoint (its vocab size bounds the random token ids; default: the "
-                            "demo model)")
-    vocab.add_argument("--preset", choices=sorted(PRESETS), help="the served preset (for its vocab size)")
+    serve.add_argument("--launch", action="store_true",
+                       help="start the server (the engine options' model, on a free port) and stop it after; "
+                            "without it, the model options only name the served model's vocabulary")
     serve.add_argument("--num-prompts", type=int, default=100, help="requests (default 100)")
     serve.add_argument("--request-rate", type=float, default=math.inf,
                        help="Poisson arrivals per second (default inf: all at once)")
@@ -108,14 +107,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _check_source(args: argparse.Namespace) -> None:
-    if args.mode == "serve":
-        return
     if args.preset and not args.random_weights:
         raise ValueError("--preset has no checkpoint: add --random-weights")
     if args.random_weights and not args.preset:
         raise ValueError("--random-weights needs --preset NAME")
     if args.preset and args.model:
         raise ValueError("give --model or --preset, not both")
+    if args.random_weights and args.backend == "hf":
+        raise ValueError("--random-weights fills our model; --backend hf reads a checkpoint")
+    if getattr(args, "compare", None) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--compare hf runs in a single process, not under torchrun")
 
 
 def model_config(args: argparse.Namespace):
@@ -215,12 +216,38 @@ def run_throughput(engine, args: argparse.Namespace, report: dict) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> dict:
-    from engine.bench.serve import bench_serve, serve_workload
+    from engine.bench.serve import bench_serve, launch_server, serve_workload
 
     prompts, output_lens = serve_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                           model_config(args).vocab_size, args.seed)
-    return bench_serve(args.url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
-                       args.health_timeout)
+    if not args.launch:
+        return bench_serve(args.url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
+                           args.health_timeout)
+    server, url = launch_server(server_command(args))
+    try:
+        return {"url": url, **bench_serve(url, prompts, output_lens, args.request_rate, args.max_concurrency,
+                                           args.seed, args.health_timeout)}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+ENGINE_OPTIONS = ("backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                  "block_size", "mem_utilization")
+
+
+def server_command(args: argparse.Namespace) -> list[str]:
+    """The command line of the server ``--launch`` starts: ``python -m engine serve`` for a
+    checkpoint, ``python -m engine.bench.preset_server`` for a preset; same engine options."""
+    if args.preset:
+        command = [sys.executable, "-m", "engine.bench.preset_server", "--preset", args.preset, "--seed",
+                   str(args.seed)]
+    else:
+        command = [sys.executable, "-m", "engine", "serve"] + (["--model", args.model] if args.model else [])
+    for name in ENGINE_OPTIONS:
+        if getattr(args, name) is not None:
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--port", "0"]
 
 
 def machine() -> dict:

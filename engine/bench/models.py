@@ -91,6 +91,20 @@ def weights_instead_of_checkpoint(tensors_for):
 
 
 @contextmanager
+def random_weights_args(args: argparse.Namespace):
+    """Inside: ``args`` with ``model`` set to a directory of ``args.preset``'s config, and every
+    ModelRunner built filling its model with the preset's random weights (``args.seed``)."""
+    preset = PRESETS[args.preset]
+
+    def tensors_for(model):
+        param = next(model.parameters())
+        return random_checkpoint(preset, args.seed, param.device, param.dtype)
+
+    with preset_model_dir(preset) as model_dir, weights_instead_of_checkpoint(tensors_for):
+        yield argparse.Namespace(**{**vars(args), "model": str(model_dir)})
+
+
+@contextmanager
 def open_engine(args: argparse.Namespace):
     """The LLMEngine the options name: ``--model DIR`` (default: the demo model), or ``--preset
     NAME --random-weights``. Yields (engine, weights) where ``weights`` says where they came from."""
@@ -99,15 +113,8 @@ def open_engine(args: argparse.Namespace):
     if args.preset is None:
         yield build_engine(args), "checkpoint"
         return
-    preset = PRESETS[args.preset]
-    with preset_model_dir(preset) as model_dir:
-        def tensors_for(model):
-            param = next(model.parameters())
-            return random_checkpoint(preset, args.seed, param.device, param.dtype)
-
-        with weights_instead_of_checkpoint(tensors_for):
-            engine = build_engine(argparse.Namespace(**{**vars(args), "model": str(model_dir)}))
-        yield engine, f"random (seed {args.seed})"
+    with random_weights_args(args) as preset_args:
+        yield build_engine(preset_args), f"random (seed {args.seed})"
 
 
 def hf_model(engine, args: argparse.Namespace):

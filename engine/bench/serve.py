@@ -10,7 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import queue
 import random
+import re
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -154,6 +159,36 @@ async def wait_healthy(url: str, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
+
+
+def launch_server(command: list[str], timeout_s: float = 900.0) -> tuple[subprocess.Popen, str]:
+    """Start a server process that prints ``serving ... on http://HOST:PORT`` on stderr; returns
+    it and that URL once printed (its stderr is passed on to ours throughout)."""
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in server.stderr:
+            sys.stderr.write(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout_s, []
+    while (line := _next_line(lines, deadline)) is not None:
+        seen.append(line)
+        found = re.search(r"serving .* on (http://\S+)", line)
+        if found:
+            return server, found[1]
+    server.kill()
+    raise RuntimeError(f"the server did not start (exit code {server.wait()}): {''.join(seen[-5:])}")
+
+
+def _next_line(lines: queue.Queue, deadline: float) -> str | None:
+    try:
+        return lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        return None
 
 
 def bench_serve(url: str, prompts, output_lens, request_rate: float, max_concurrency: int | None, seed: int,

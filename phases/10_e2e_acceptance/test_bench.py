@@ -8,19 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.__main__ import main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench(capsys, *argv) -> dict:
@@ -199,6 +194,7 @@ def test_compile_failure_is_reported_not_raised(tiny_checkpoint, monkeypatch):
     (["--preset", "tiny-qwen3"], "--random-weights"),
     (["--random-weights"], "--preset"),
     (["--random-weights", "--preset", "tiny-qwen3", "--model", "x"], "not both"),
+    (["--random-weights", "--preset", "tiny-qwen3", "--backend", "hf"], "--backend hf"),
 ])
 def test_model_source_errors(capsys, argv, message):
     assert main(["bench", "latency", *argv]) == 2
@@ -268,8 +264,8 @@ def test_serve_metrics_follow_vllm_conventions(capsys):
     pytest.importorskip("aiohttp")
     gap = 0.03
     with StubServer(gap) as stub:
-        report = bench(capsys, "serve", "--url", stub.url, "--preset", "tiny-qwen3", "--num-prompts", 6,
-                       "--input-len", 10, "--output-len", 4, "--max-concurrency", 2)
+        report = bench(capsys, "serve", "--url", stub.url, "--preset", "tiny-qwen3", "--random-weights",
+                       "--num-prompts", 6, "--input-len", 10, "--output-len", 4, "--max-concurrency", 2)
     check_common(report, "serve")
     assert stub.max_in_flight == 2
     s = report["serve"]
@@ -288,57 +284,43 @@ def test_serve_metrics_follow_vllm_conventions(capsys):
     assert close(e2e["mean"], s["ttft_ms"]["mean"] + 3 * s["tpot_ms"]["mean"], 1e-6)
 
 
-def start_server(model_dir, device: str = "cpu") -> tuple[subprocess.Popen, str]:
-    """``python -m engine serve --port 0`` in a subprocess; returns it and its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--port", "0",
-                             "--device", device], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    for line in proc.stderr:
-        found = re.search(r"serving .* on (http://\S+)", line)
-        if found:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return proc, found[1]
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"the server did not start (exit code {proc.poll()})")
+def serve_launched(capsys, model: list, device: str = "cpu") -> dict:
+    """bench serve --launch: the bench starts the server, loads it, and stops it."""
+    return bench(capsys, "serve", "--launch", *model, "--device", device, "--num-prompts", 5, "--input-len", 12,
+                 "--output-len", 6, "--range-ratio", 0.5, "--request-rate", 50, "--max-concurrency", 3)
 
 
-def serve_against_engine(capsys, model_dir, device: str = "cpu") -> dict:
-    proc, url = start_server(model_dir, device)
-    try:
-        return bench(capsys, "serve", "--url", url, "--model", model_dir, "--num-prompts", 5, "--input-len", 12,
-                     "--output-len", 6, "--range-ratio", 0.5, "--request-rate", 50, "--max-concurrency", 3)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def test_serve_against_engine_server(capsys, tiny_checkpoint):
-    """bench serve against ``python -m engine serve`` on a tiny checkpoint: every request
-    completes with exactly the tokens asked (ignore_eos), counted from the usage chunks."""
+@pytest.mark.parametrize("source", ["checkpoint", "preset"])
+def test_serve_launching_the_engine_server(capsys, tiny_checkpoint, source):
+    """bench serve --launch against ``python -m engine serve`` (a tiny checkpoint, or the tiny
+    preset with random weights): every request completes with exactly the tokens asked
+    (ignore_eos), counted from the usage chunks."""
     try:
         import engine.server  # noqa: F401
     except ImportError as e:
         pytest.skip(f"engine.server cannot be imported yet: {e}")
     from engine.bench.serve import serve_workload
 
-    report = serve_against_engine(capsys, tiny_checkpoint())
+    model = ["--model", tiny_checkpoint()] if source == "checkpoint" else ["--preset", "tiny-qwen3",
+                                                                          "--random-weights"]
+    report = serve_launched(capsys, model)
     check_common(report, "serve")
     prompts, output_lens = serve_workload(5, 12, 6, 0.5, 512, 0)
     s = report["serve"]
     assert s["completed"] == 5 and s["failed"] == 0, s["first_error"]
+    assert s["url"].startswith("http://127.0.0.1:")
     assert s["input_tokens"] == sum(map(len, prompts)) and s["output_tokens"] == sum(output_lens)
     assert all(s[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms", "e2el_ms")), json.dumps(s)
 
 
 @pytest.mark.cuda
-def test_bench_modes_on_cuda(capsys, tmp_path, tiny_checkpoint):
+def test_bench_modes_on_cuda(capsys, tmp_path):
     """The H200 smoke run: all three modes on CUDA with a tiny model; GPU step time measured,
     our profiled decode eager with GPU kernels in the trace, HF's compiled run reported (its
     figures or its error), NVML samples when nvidia-ml-py is installed."""
-    tiny = ["--preset", "tiny-qwen3", "--random-weights", "--device", "cuda"]
-    latency = bench(capsys, "latency", *tiny, "--max-model-len", 256, "--prompt-lens", "16,128,4096",
+    tiny = ["--preset", "tiny-qwen3", "--random-weights"]
+    cuda = [*tiny, "--device", "cuda"]
+    latency = bench(capsys, "latency", *cuda, "--max-model-len", 256, "--prompt-lens", "16,128,4096",
                     "--decode-tokens", 32, "--decode-prompt-len", 16, "--compare", "hf",
                     "--profile", tmp_path / "trace.json")
     check_common(latency, "latency", "cuda")
@@ -351,10 +333,10 @@ def test_bench_modes_on_cuda(capsys, tmp_path, tiny_checkpoint):
     assert "tok_s" in compiled or "error" in compiled, compiled
     print(json.dumps({"static_compile": compiled}), file=sys.stderr)
 
-    throughput = bench(capsys, "throughput", *tiny, "--num-seqs", 16, "--min-len", 8, "--max-len", 64,
+    throughput = bench(capsys, "throughput", *cuda, "--num-seqs", 16, "--min-len", 8, "--max-len", 64,
                        "--compare", "hf", "--hf-num-seqs", 4)
     check_common(throughput, "throughput", "cuda")
     assert throughput["throughput"]["output_tok_s"] > 0
 
-    report = serve_against_engine(capsys, tiny_checkpoint(), "cuda")
-    assert report["serve"]["completed"] == 5, report["serve"]["first_error"]
+    serve = serve_launched(capsys, tiny, "cuda")
+    assert serve["serve"]["completed"] == 5, serve["serve"]["first_error"]
