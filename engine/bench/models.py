@@ -19,6 +19,13 @@ import torch
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960,
              rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=False, head_dim=128, torch_dtype="bfloat16")
+DEEPSEEK_V2 = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+                   topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                   scoring_func="softmax", first_k_dense_replace=1, moe_layer_freq=1, max_position_embeddings=163840,
+                   rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1,
+                                                         original_max_position_embeddings=4096, mscale=0.707,
+                                                         mscale_all_dim=0.707),
+                   rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16")
 PRESETS: dict[str, dict] = {
     "qwen3-8b": {**QWEN3, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -26,7 +33,17 @@ PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {**QWEN3, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
                    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
                    "tie_word_embeddings": True},
-    # the CPU tests' model: phases/checkpoints.py's tiny Qwen3 shape
+    "deepseek-v2-lite": {**DEEPSEEK_V2, "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+                         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+                         "num_key_value_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                         "n_shared_experts": 2, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                         "v_head_dim": 128},
+    # the CPU tests' models: phases/checkpoints.py's tiny Qwen3 shape, and a tiny V2-Lite
+    "tiny-deepseek-v2-lite": {**DEEPSEEK_V2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+                              "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 3,
+                              "n_shared_experts": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                              "qk_rope_head_dim": 8, "v_head_dim": 24, "max_position_embeddings": 1024},
     "tiny-qwen3": {**QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                    "max_position_embeddings": 1024, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
@@ -48,15 +65,48 @@ def random_tensor(name: str, shape, seed: int, device: torch.device, dtype: torc
     return noise.mul_(0.1).add_(1.0) if "norm" in name else noise.mul_(0.02)
 
 
+# transformers 5 stacks routed experts into one parameter each (gate and up concatenated per
+# expert); checkpoints hold one tensor per expert and projection: experts.<e>.<proj>.weight
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _fused_experts(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(prefix, per-expert projections) when HF parameter ``name`` stacks routed experts."""
+    prefix, _, last = name.rpartition(".")
+    return (prefix, FUSED_EXPERTS[last]) if prefix.endswith("experts") and last in FUSED_EXPERTS else None
+
+
 def random_checkpoint(preset: dict, seed: int, device: torch.device, dtype: torch.dtype):
-    """(name, tensor) for every tensor of the preset's HF checkpoint (names and shapes read from
-    HF's model built on the meta device), each made when asked for."""
+    """(name, tensor) for every tensor of the preset's HF checkpoint, each made when asked for.
+    Names and shapes come from HF's model built on the meta device, stacked experts split
+    into the checkpoint's per-expert tensors."""
     import transformers
 
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(hf_config(preset))
     for name, param in meta.named_parameters():
-        yield name, random_tensor(name, param.shape, seed, device, dtype)
+        fused = _fused_experts(name)
+        if fused is None:
+            yield name, random_tensor(name, param.shape, seed, device, dtype)
+            continue
+        prefix, parts = fused
+        for e in range(param.shape[0]):
+            for part in parts:
+                shape = (param.shape[1] // len(parts), param.shape[2])
+                yield f"{prefix}.{e}.{part}.weight", random_tensor(f"{prefix}.{e}.{part}.weight", shape, seed,
+                                                                   device, dtype)
+
+
+def hf_parameter_value(name: str, shape, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """HF parameter ``name``'s value under ``random_checkpoint``'s weights (stacked experts
+    assembled from the per-expert tensors)."""
+    fused = _fused_experts(name)
+    if fused is None:
+        return random_tensor(name, shape, seed, device, dtype)
+    prefix, parts = fused
+    rows = (shape[1] // len(parts), shape[2])
+    return torch.stack([torch.cat([random_tensor(f"{prefix}.{e}.{part}.weight", rows, seed, device, dtype)
+                                   for part in parts]) for e in range(shape[0])])
 
 
 @contextmanager
@@ -132,5 +182,5 @@ def hf_model(engine, args: argparse.Namespace):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(PRESETS[args.preset]), dtype=engine.dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(random_tensor(name, param.shape, args.seed, engine.device, engine.dtype))
+            param.copy_(hf_parameter_value(name, param.shape, args.seed, engine.device, engine.dtype))
     return model.eval()

@@ -74,6 +74,29 @@ def test_latency_random_weights(capsys, tmp_path):
     assert compare["ratios"] == {"ours_vs_eager": pytest.approx(decode["tok_s"] / compare["eager"]["tok_s"])}
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek-v2-lite"])
+def test_random_weights_are_hf_weights(preset):
+    """--compare hf times HF on the same weights: the engine built from a preset's random weights
+    and HF's model filled by the bench generate the same greedy tokens (every checkpoint tensor
+    loaded, DeepSeek's per-expert tensors included: the loader refuses a missing one)."""
+    import argparse
+
+    from engine.bench.models import hf_model, open_engine
+    from engine.sequence import SamplingParams
+
+    args = argparse.Namespace(model=None, backend="tp", block_size=16, mem_utilization=0.9, max_num_seqs=2,
+                              max_num_batched_tokens=512, max_model_len=128, dtype=None, device="cpu",
+                              no_prefix_caching=False, preset=preset, seed=5)
+    prompt = list(range(7, 40))
+    with open_engine(args) as (engine, weights):
+        assert weights == "random (seed 5)"
+        ours = engine.generate_tokens([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        hf = hf_model(engine, args)
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert ours == ref[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("source", ["checkpoint", "preset"])
 def test_throughput(capsys, tiny_checkpoint, source):
     from engine.bench.offline import throughput_workload
