@@ -275,5 +275,6 @@ def emit(report: dict, output: str | None) -> None:
         if key in report:
             print(f"{key}: {json.dumps(report[key])[:400]}", file=sys.stderr)
     if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report), flush=True)

@@ -53,6 +53,7 @@ def profile_decode(engine, rng: random.Random, trace_path: str | Path, prompt_le
     run_to_end(engine)
     for rid in ids:
         engine.pop_request(rid)
+    Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
     result = {"trace": str(trace_path), "batch_size": batch, "decode_steps": steps,
               "check": eager_trace_check(trace_path)}

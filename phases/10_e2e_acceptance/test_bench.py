@@ -41,7 +41,7 @@ def check_common(report: dict, mode: str, device: str = "cpu") -> None:
 
 
 def test_latency_random_weights(capsys, tmp_path):
-    trace, output = tmp_path / "trace.json", tmp_path / "report.json"
+    trace, output = tmp_path / "trace.json", tmp_path / "new" / "report.json"
     report = bench(capsys, "latency", "--preset", "tiny-qwen3", "--random-weights", "--max-model-len", 96,
                    "--prompt-lens", "16,64,4096", "--repeats", 2, "--decode-tokens", 24, "--decode-prompt-len", 16,
                    "--split-steps", 4, "--compare", "hf", "--profile", trace, "--profile-steps", 3,
