@@ -7,13 +7,14 @@ import signal
 import socket
 import threading
 
-import openai
 import pytest
 import torch.distributed as dist
 
 from engine.llm_engine import LLMEngine
 from engine.server import add_serve_command, mirror_rank0, serve
 from server_cases import PROMPTS, engine_cases, make_word_checkpoint, running_server, wait_idle
+
+openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU image
 
 pytestmark = pytest.mark.torchrun
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
