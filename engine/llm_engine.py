@@ -138,6 +138,8 @@ class LLMEngine:
         if device is None:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
             if not isinstance(dtype, torch.dtype):

@@ -80,6 +80,9 @@ class ModelRunner:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         # static decode inputs: token ids, positions, block-table rows; and the gathered tables
         self.decode_inputs = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=device)
+        # their host staging buffer (pinned on CUDA) and the event of its last copy to the device
+        self._decode_staging = torch.zeros(3, max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staging_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.decode_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._greedy = dict(
             temperatures=torch.zeros(max_num_seqs, device=device), top_ks=torch.zeros(max_num_seqs, dtype=torch.int64,
@@ -182,12 +185,18 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence]):
         """(input_ids [B], positions [B], context) written into the static decode buffers."""
         batch = len(seqs)
-        host = torch.tensor([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs],
-                             [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
+        positions_host = [s.num_tokens - 1 for s in seqs]
+        if self._staging_copied is not None:
+            self._staging_copied.synchronize()  # the previous step's copy has left the staging buffer
+        host = self._decode_staging[:, :batch]
+        host.copy_(torch.tensor([[s.last_token_id for s in seqs], positions_host,
+                                 [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64))
         inputs = self.decode_inputs[:, :batch]
-        inputs.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        inputs.copy_(host, non_blocking=True)
+        if self._staging_copied is not None:
+            self._staging_copied.record()
         input_ids, positions, rows = inputs
-        width = -(-int(host[1].max() + 1) // self.block_size)  # blocks of the longest context (host ints)
+        width = -(-(max(positions_host) + 1) // self.block_size)  # blocks of the longest context
         tables = self.decode_tables[:batch]
         torch.index_select(self.block_tables, 0, rows, out=tables)
         ctx = AttentionContext(

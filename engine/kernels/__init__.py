@@ -14,6 +14,7 @@ import functools
 import importlib
 import os
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -73,32 +74,34 @@ def _ops(tensor: torch.Tensor) -> ModuleType:
     return _module(_select(tensor.device.type, os.environ.get(ENV_VAR) or None))
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: Callable[[], str]) -> None:
+    """Raise ValueError(message()) unless ``ok``; the message is only built on failure (these
+    checks run on every kernel call of the eager decode path)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message())
 
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """``out = input * rsqrt(mean(input**2, -1) + eps) * weight`` in float32, written into ``out``
     (same shape as ``input``: [..., H]; ``weight`` [H])."""
-    _require(out.shape == input.shape, f"rms_norm: out {tuple(out.shape)} != input {tuple(input.shape)}")
-    _require(weight.shape == input.shape[-1:], f"rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
+    _require(out.shape == input.shape, lambda: f"rms_norm: out {tuple(out.shape)} != input {tuple(input.shape)}")
+    _require(weight.shape == input.shape[-1:], lambda: f"rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
     _ops(input).rms_norm(out, input, weight, eps)
 
 
 def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: ``residual += input``, then ``input = rms_norm(residual) * weight``."""
     _require(residual.shape == input.shape,
-             f"fused_add_rms_norm: residual {tuple(residual.shape)} != input {tuple(input.shape)}")
+             lambda: f"fused_add_rms_norm: residual {tuple(residual.shape)} != input {tuple(input.shape)}")
     _require(weight.shape == input.shape[-1:],
-             f"fused_add_rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
+             lambda: f"fused_add_rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
     _ops(input).fused_add_rms_norm(input, residual, weight, eps)
 
 
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """``out [..., d] = silu(input[..., :d]) * input[..., d:]`` for ``input [..., 2d]``."""
     _require(input.shape[-1] % 2 == 0 and out.shape == (*input.shape[:-1], input.shape[-1] // 2),
-             f"silu_and_mul: input {tuple(input.shape)} needs an even last dim and out [..., half] "
+             lambda: f"silu_and_mul: input {tuple(input.shape)} needs an even last dim and out [..., half] "
              f"(got out {tuple(out.shape)})")
     _ops(input).silu_and_mul(out, input)
 
@@ -113,10 +116,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     """
     rotary_dim = cos_sin_cache.shape[1]
     _require(rotary_dim % 2 == 0 and rotary_dim <= head_size,
-             f"rotary_embedding: rotary dim {rotary_dim} must be even and <= head_size {head_size}")
+             lambda: f"rotary_embedding: rotary dim {rotary_dim} must be even and <= head_size {head_size}")
     for name, x in (("query", query), ("key", key)):
         _require(x is None or (x.shape[0] == positions.shape[0] and x.shape[-1] % head_size == 0),
-                 f"rotary_embedding: {name} {tuple(x.shape) if x is not None else None} does not match "
+                 lambda: f"rotary_embedding: {name} {tuple(x.shape) if x is not None else None} does not match "
                  f"{positions.shape[0]} positions and head_size {head_size}")
     _ops(query).rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
@@ -126,9 +129,10 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch
     """Write row ``i`` of ``key [T, Hk, D]`` / ``value [T, Hk, Dv]`` to flat slot ``slot_mapping[i]``
     (int64; slot = block * block_size + offset) of ``k_cache [num_blocks, block_size, Hk, D]`` /
     ``v_cache``; slot -1 is skipped. ``value`` and ``v_cache`` are both None for MLA's single cache."""
-    _require((value is None) == (v_cache is None), "store_kv_cache: value and v_cache must both be given or both None")
+    _require((value is None) == (v_cache is None),
+             lambda: "store_kv_cache: value and v_cache must both be given or both None")
     _require(key.shape[0] == slot_mapping.shape[0],
-             f"store_kv_cache: {key.shape[0]} key rows but {slot_mapping.shape[0]} slots")
+             lambda: f"store_kv_cache: {key.shape[0]} key rows but {slot_mapping.shape[0]} slots")
     _ops(key).store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -143,7 +147,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     _require(q.dim() == k.dim() == v.dim() == 3 and q.shape[2] == k.shape[2] and k.shape[:2] == v.shape[:2]
              and q.shape[1] % k.shape[1] == 0,
-             f"varlen_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+             lambda: f"varlen_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     return _ops(q).varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     softmax_scale, causal)
 
@@ -160,8 +164,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     _require(q.dim() == 3 and k_cache.dim() == 4 and q.shape[2] == k_cache.shape[3]
              and q.shape[1] % k_cache.shape[2] == 0,
-             f"paged_decode_attention: bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+             lambda: f"paged_decode_attention: bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     _require(v_cache is not None or (v_head_dim is not None and v_head_dim <= k_cache.shape[3]),
-             "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
+             lambda: "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
     return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
                                           v_head_dim)

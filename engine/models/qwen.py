@@ -39,8 +39,8 @@ class QwenAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, d)
         v = v.reshape(-1, self.num_kv_heads, d)
         if self.q_norm is not None:
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
+            self.q_norm.normalize_(q)
+            self.k_norm.normalize_(k)
         self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.flatten(1))
