@@ -49,7 +49,9 @@ def add_bench_command(commands) -> None:
                             help="random weights made on the device (needs --preset; no checkpoint read)")
     for mode in (latency, throughput):
         extra = mode.add_argument_group("comparison and profiling")
-        extra.add_argument("--compare", choices=["hf"], help="also time transformers on the same weights")
+        extra.add_argument("--compare", choices=["hf", "hf-eager"],
+                           help="also time transformers on the same weights: eager and static cache + compile "
+                                "(hf), or eager only (hf-eager)")
         extra.add_argument("--profile", metavar="TRACE_JSON", help="write a chrome trace of a few decode steps")
         extra.add_argument("--profile-steps", type=int, default=5, help="decode steps traced (default 5)")
     latency.add_argument("--prompt-lens", type=_int_list, default=[128, 1024, 4096], metavar="N,N,...",
@@ -173,11 +175,12 @@ def run_latency(engine, args: argparse.Namespace, report: dict) -> None:
     if args.profile:
         report["profile"] = profile_decode(engine, rng, args.profile, len(prompt),
                                            min(args.profile_steps, room - len(prompt) - 4))
-    if args.compare == "hf":
+    if args.compare in ("hf", "hf-eager"):
         from engine.bench.hf_compare import compare_decode
         from engine.bench.models import hf_model
 
-        hf = compare_decode(hf_model(engine, args), prompt, tokens)
+        hf = compare_decode(hf_model(engine, args), prompt, tokens,
+                            compile=False if args.compare == "hf-eager" else None)
         ours = report["decode"]["tok_s"]
         hf["ratios"] = {f"ours_vs_{name}": ours / figures["tok_s"] for name, figures in hf.items()
                         if "tok_s" in figures}
@@ -199,7 +202,7 @@ def run_throughput(engine, args: argparse.Namespace, report: dict) -> None:
     if args.profile:
         batch = min(args.num_seqs, engine.scheduler.max_num_seqs)
         report["profile"] = profile_decode(engine, rng, args.profile, args.min_len, args.profile_steps, batch)
-    if args.compare == "hf":
+    if args.compare in ("hf", "hf-eager"):
         from engine.bench.hf_compare import hf_batch_generate
         from engine.bench.models import hf_model
 

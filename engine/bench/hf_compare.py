@@ -56,7 +56,7 @@ def compare_decode(hf, prompt: list[int], tokens: int, compile: bool | None = No
     result = {"eager": hf_decode(hf, prompt, tokens)}
     if not (hf.device.type == "cuda" if compile is None else compile):
         result["static_compile"] = {"skipped": "static cache + torch.compile(mode='reduce-overhead') "
-                                               "(CUDA graphs) runs on CUDA only"}
+                                               "(CUDA graphs): not asked for (hf-eager), or not on CUDA"}
         return result
     config = hf.generation_config
     config.cache_implementation = "static"
