@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_list(root: Path) -> int:
-    """Exit code 1 if any gate file is broken or the dependencies form a cycle."""
+    """Exit code 1 if a gate file is broken or a dependency is unknown or part of a cycle."""
     rows, deps, code = {}, {}, 0
     for phase in discover(root):
         try:
