@@ -34,6 +34,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mem-utilization", type=float, default=0.9,
                        help="fraction of the free device memory the KV cache may take (default 0.9)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="decode without CUDA graphs (graphs are the default on CUDA with one rank)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -42,7 +44,8 @@ def build_engine(args: argparse.Namespace):
     return LLMEngine(args.model, inference_backend=args.backend, block_size=args.block_size,
                      mem_utilization=args.mem_utilization, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                     dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching)
+                     dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+                     enforce_eager=args.enforce_eager)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -73,7 +73,10 @@ def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
         slots.append(kv_slots[-1][cached:])
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     q_lens = seq_lens_t - torch.tensor(cached_lens, dtype=torch.int32)
-    cumsum = lambda lens: torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+
+    def cumsum(lens):
+        return torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+
     ctx = AttentionContext(
         is_prefill=True,
         slot_mapping=torch.cat(slots).to(device),

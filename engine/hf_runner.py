@@ -54,7 +54,10 @@ class HFModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]
-        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
         return self.sampler(logits, column([p.temperature for p in params], torch.float32),
                             column([p.top_k for p in params], torch.int64),
                             column([p.top_p for p in params], torch.float32),

@@ -118,13 +118,14 @@ class LLMEngine:
     ``max_model_len`` defaults to the model's ``max_position_embeddings``; ``max_num_seqs``
     to 256 on CUDA and 16 on CPU; ``dtype`` to float32 on CPU, else the checkpoint's half
     dtype (bfloat16 if none); ``device`` to ``cuda:LOCAL_RANK`` when CUDA is present.
+    On CUDA with one rank, decode replays CUDA graphs unless ``enforce_eager``.
     """
 
     def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                 enable_prefix_caching: bool = True, progress: bool | None = None):
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir)
         family = _runner_family(config, inference_backend)
@@ -158,8 +159,9 @@ class LLMEngine:
         else:
             from engine.model_runner import ModelRunner
 
+            cuda_graphs = device.type == "cuda" and self.tp.size == 1 and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
-                                      max_model_len, mem_utilization, reserve_bytes, progress)
+                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(model_dir, config, self.tokenizer)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -176,9 +178,10 @@ class LLMEngine:
     def summary(self, family: str) -> str:
         r = self.runner
         kv_tokens = r.num_blocks * self.block_manager.block_size
+        graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
         return (f"agent-infer: {self.config.architecture} ({family} runner) from {self.model_dir} | {self.dtype} on "
-                f"{self.device} | tp {self.tp.size} | weights {r.weight_bytes / 2**30:.2f} GiB per rank | KV cache "
-                f"{r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
+                f"{self.device} | {graphs} | tp {self.tp.size} | weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
+                f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
                 f"max_model_len {self.max_model_len} | loaded in {r.load_seconds:.1f} s")
 
     # ---- requests ------------------------------------------------------------------------------

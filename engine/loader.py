@@ -47,7 +47,8 @@ class LazyTensor:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        read = lambda a: a.materialize() if isinstance(a, LazyTensor) else a
+        def read(a):
+            return a.materialize() if isinstance(a, LazyTensor) else a
         return func(*map(read, args), **{k: read(v) for k, v in (kwargs or {}).items()})
 
 

@@ -6,6 +6,10 @@ only where its block table grew since the last step; decode inputs land in
 static device buffers (the phase-11 CUDA graphs capture them). A step's host
 inputs are built with a few vectorised torch ops and reach the device in one
 copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
+With ``cuda_graphs`` (CUDA, one rank) decode steps replay CUDA graphs captured
+once per batch size of a ladder up to ``max_num_seqs``: a batch is padded to the
+next captured size with rows that read one token of the null block and write
+nowhere (slot -1). Prefill stays eager; sampling runs after the replay.
 Nothing above the runner sees a tensor; nothing below it sees a Sequence.
 """
 from __future__ import annotations
@@ -36,6 +40,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def graph_batch_sizes(limit: int) -> list[int]:
+    """The captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16, up to ``limit``."""
+    return sorted({b for b in (1, 2, 4, 8, *range(16, limit + 1, 16), limit) if b <= limit})
+
+
 def unique_parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -52,7 +61,8 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
-                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False):
+                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
+                 cuda_graphs: bool = False):
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
@@ -74,7 +84,9 @@ class ModelRunner:
         self.sampler = Sampler(tp)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.block_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        # one row per running sequence, plus the padding row (all block 0) graph padding reads
+        self.pad_row = max_num_seqs
+        self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._row_of: dict[str, int] = {}
         self._blocks_on_device: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -91,6 +103,13 @@ class ModelRunner:
                                                                                device=device),
             steps=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
         self._no_rows = torch.zeros(0, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
+        self.graph_replays = 0
+        if cuda_graphs:
+            if device.type != "cuda" or tp.size > 1:
+                raise ValueError("CUDA-graph decode needs a CUDA device and one rank (tensor-parallel decode is eager)")
+            limit = min(max_num_seqs, getattr(self.model, "max_graph_batch", max_num_seqs))
+            self.capture_decode_graphs(graph_batch_sizes(limit))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -101,16 +120,26 @@ class ModelRunner:
         self._sync_block_tables(seqs)
         if is_prefill:
             input_ids, positions, ctx, last = self.prepare_prefill(seqs)
+            logits = self._forward(input_ids, positions, ctx, last)
+        elif self.graphs and len(seqs) <= max(self.graphs):
+            size = min(b for b in self.graphs if b >= len(seqs))
+            self._stage_decode(seqs, size)
+            graph, graph_logits = self.graphs[size]
+            graph.replay()
+            self.graph_replays += 1
+            logits = graph_logits[:len(seqs)]
         else:
-            input_ids, positions, ctx = self.prepare_decode(seqs)
-            last = None
+            logits = self._forward(*self.prepare_decode(seqs))
+        return self.sample(logits, seqs).tolist()
+
+    def _forward(self, input_ids, positions, ctx: AttentionContext, last: torch.Tensor | None = None):
+        """Logits of the model under ``ctx`` (of the tokens at ``last`` when given, else every row)."""
         set_context(ctx)
         try:
             hidden = self.model(input_ids, positions)
         finally:
             reset_context()
-        logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
-        return self.sample(logits, seqs).tolist()
+        return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's block-table row (no-op if it never ran)."""
@@ -138,8 +167,8 @@ class ModelRunner:
                 blocks.append(table[known:])
                 self._blocks_on_device[rid] = len(table)
         if rows:
-            flat = lambda parts: list(chain.from_iterable(parts))
-            update = to_device(torch.tensor([flat(rows), flat(cols), flat(blocks)], dtype=torch.int64), self.device)
+            update = torch.tensor([list(chain.from_iterable(part)) for part in (rows, cols, blocks)], dtype=torch.int64)
+            update = to_device(update, self.device)
             self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
 
     def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -183,29 +212,59 @@ class ModelRunner:
         return ids_d, positions_d, ctx, cu_q_d[1:] - 1
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """(input_ids [B], positions [B], context) written into the static decode buffers."""
+        """(input_ids [B], positions [B], context) in the static decode buffers, the block tables
+        cut to the longest context (eager)."""
+        self._stage_decode(seqs, len(seqs))
+        width = -(-max(s.num_tokens for s in seqs) // self.block_size)
+        return self._decode_inputs(len(seqs), width)
+
+    def _stage_decode(self, seqs: list[Sequence], size: int) -> None:
+        """Write the step's token ids, positions and table rows into the first ``size`` columns
+        of the static ``decode_inputs`` (one host -> device copy); columns past ``len(seqs)``
+        are padding: token 0 at position 0 of the padding row."""
         batch = len(seqs)
-        positions_host = [s.num_tokens - 1 for s in seqs]
         if self._staging_copied is not None:
             self._staging_copied.synchronize()  # the previous step's copy has left the staging buffer
-        host = self._decode_staging[:, :batch]
-        host.copy_(torch.tensor([[s.last_token_id for s in seqs], positions_host,
-                                 [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64))
-        inputs = self.decode_inputs[:, :batch]
-        inputs.copy_(host, non_blocking=True)
+        host = self._decode_staging[:, :size]
+        host[:, batch:] = torch.tensor([[0], [0], [self.pad_row]])
+        host[:, :batch] = torch.tensor([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs],
+                                        [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
+        self.decode_inputs[:, :size].copy_(host, non_blocking=True)
         if self._staging_copied is not None:
             self._staging_copied.record()
-        input_ids, positions, rows = inputs
-        width = -(-(max(positions_host) + 1) // self.block_size)  # blocks of the longest context
-        tables = self.decode_tables[:batch]
+
+    def _decode_inputs(self, size: int, width: int):
+        """Device ops only (what a graph captures): the step's context from the staged inputs.
+        Padding rows (the padding row's table) write to slot -1 and attend to one token."""
+        input_ids, positions, rows = self.decode_inputs[:, :size]
+        tables = self.decode_tables[:size]
         torch.index_select(self.block_tables, 0, rows, out=tables)
-        ctx = AttentionContext(
-            is_prefill=False,
-            slot_mapping=self._slots(rows, positions),
-            block_tables=tables[:, :width],
-            context_lens=(positions + 1).to(torch.int32),
-        )
+        slots = torch.where(rows == self.pad_row, -1, self._slots(rows, positions))
+        ctx = AttentionContext(is_prefill=False, slot_mapping=slots, block_tables=tables[:, :width],
+                               context_lens=(positions + 1).to(torch.int32))
         return input_ids, positions, ctx
+
+    def capture_decode_graphs(self, sizes: list[int]) -> None:
+        """Capture one decode graph per batch size (largest first, one shared memory pool), each
+        over the full block-table width so any context up to max_model_len replays it."""
+        self._stage_decode([], max(sizes))  # every column padding while capturing
+        pool = None
+        with torch.inference_mode():
+            for size in sorted(sizes, reverse=True):
+                def step(size=size):
+                    return self._forward(*self._decode_inputs(size, self.max_blocks_per_seq))
+
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    step()  # warm-up: compiles kernels, fills the allocator outside the capture
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = step()
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Token ids [B] for the last-token ``logits`` [B, V] under each sequence's parameters.

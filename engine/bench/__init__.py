@@ -250,7 +250,8 @@ def server_command(args: argparse.Namespace) -> list[str]:
     for name in ENGINE_OPTIONS:
         if getattr(args, name) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--port", "0"]
+    return (command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
+            + ["--port", "0"])
 
 
 def machine() -> dict:

@@ -86,10 +86,9 @@ class Sampler(nn.Module):
         else:
             ids = logits.argmax(dim=-1)
             if sampled_rows.numel():
-                pick = lambda t: t.index_select(0, sampled_rows)
-                ids[sampled_rows] = self._sample(pick(logits).float(), pick(temperatures).float(), pick(top_ks),
-                                                 pick(top_ps).float(), pick(seeds), pick(steps),
-                                                 max_top_k, use_top_p)
+                picked = [t.index_select(0, sampled_rows) for t in (logits, temperatures, top_ks, top_ps, seeds, steps)]
+                ids[sampled_rows] = self._sample(picked[0].float(), picked[1].float(), picked[2], picked[3].float(),
+                                                 picked[4], picked[5], max_top_k, use_top_p)
         return broadcast_tensor(ids, src=0)
 
     @staticmethod

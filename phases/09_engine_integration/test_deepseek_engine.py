@@ -6,9 +6,8 @@ import pytest
 from engine.layers.mla import MultiHeadLatentAttention
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from phases.checkpoints import V2_LITE, make_tiny_checkpoint
-
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
+from phases.checkpoints import V2_LITE, make_tiny_checkpoint
 
 MAX_NEW = 10
 

@@ -11,7 +11,6 @@ import torch
 
 from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
 from engine.sequence import SamplingParams
-
 from engine_cases import assert_no_block_leaks, hf_greedy
 
 CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):", "for i in range(",

@@ -5,7 +5,6 @@ import torch.distributed as dist
 from engine.layers.sampler import Sampler
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 
 MAX_NEW = 10

@@ -9,9 +9,8 @@ import torch.distributed as dist
 from engine.llm_engine import LLMEngine
 from engine.models.qwen import QwenForCausalLM
 from engine.sequence import SamplingParams
-from phases.checkpoints import make_tiny_checkpoint
-
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
+from phases.checkpoints import make_tiny_checkpoint
 
 MAX_NEW = 12
 ENGINE_ARGS = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128)

@@ -121,3 +121,33 @@ def test_decode_inputs_live_in_static_buffers(engine):
     for seq in seqs:
         engine.abort_request(seq.request_id)
     finish(engine)
+
+
+def test_padded_decode_rows_are_harmless(engine):
+    """The graph path's padded decode (phase 11 captures exactly these device ops): padding rows
+    read the padding row's null block, write nowhere (slot -1) and leave the real rows' logits
+    equal to the unpadded step's; over the full block-table width as a graph sees it."""
+    runner = engine.runner
+    seqs = start_decoding(engine, [list(range(2, 9)), [5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    with torch.inference_mode():
+        expected = runner._forward(*runner.prepare_decode(seqs))
+        caches = [c.clone() for c in runner.kv_caches]
+        size = runner.decode_inputs.shape[1]  # max_num_seqs: two real rows, two padding rows
+        runner._stage_decode(seqs, size)
+        input_ids, positions, ctx = runner._decode_inputs(size, runner.max_blocks_per_seq)
+        assert ctx.slot_mapping[len(seqs):].tolist() == [-1] * (size - len(seqs))
+        assert ctx.context_lens[len(seqs):].tolist() == [1] * (size - len(seqs))
+        padded = runner._forward(input_ids, positions, ctx)
+    torch.testing.assert_close(padded[:len(seqs)], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(padded).all()
+    real_slots = [expected_slot(s, s.num_tokens - 1) for s in seqs]
+    for before, after in zip(caches, runner.kv_caches):
+        flat_before, flat_after = before.flatten(-4, -3), after.flatten(-4, -3)  # [..., slots, H, D]
+        untouched = torch.ones(flat_before.shape[-3], dtype=torch.bool)
+        untouched[real_slots] = False
+        assert torch.equal(flat_before[..., untouched, :, :], flat_after[..., untouched, :, :]), \
+            "a padding row wrote into the cache"
+        torch.testing.assert_close(flat_after[..., real_slots, :, :], flat_before[..., real_slots, :, :])
+    for seq in seqs:
+        engine.abort_request(seq.request_id)
+    finish(engine)

@@ -10,9 +10,8 @@ from safetensors.torch import load_file, save_file
 from engine.llm_engine import LLMEngine
 from engine.models.qwen import QwenVLTextForCausalLM
 from engine.sequence import SamplingParams
-from phases.checkpoints import randomize_weights, write_tokenizer
-
 from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix
+from phases.checkpoints import randomize_weights, write_tokenizer
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=3e-6, bos_token_id=1, eos_token_id=1,

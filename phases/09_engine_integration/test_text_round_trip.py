@@ -7,9 +7,8 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from phases.checkpoints import make_tiny_checkpoint
-
 from engine_cases import assert_no_block_leaks
+from phases.checkpoints import make_tiny_checkpoint
 
 CORPUS = ["naïve café déjà vu", "über straße grüße", "日本語のテキスト 世界", "emoji 🙂 🚀 ok",
           "the quick brown fox jumps over the lazy dog", "def f(x):\n    return x * 2\n"] * 20

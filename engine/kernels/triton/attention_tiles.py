@@ -52,13 +52,13 @@ def load_q(q_ptr, row_offsets, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
-def online_softmax_step(scores, allowed, m, l, acc, v, scale_log2):
+def online_softmax_step(scores, allowed, m, denom, acc, v, scale_log2):
     """Fold one tile of raw ``scores`` (entries outside ``allowed`` ignored) and its values ``v``
-    into the running max ``m``, denominator ``l`` and output accumulator ``acc`` (base-2 exponent)."""
+    into the running max ``m``, denominator ``denom`` and output accumulator ``acc`` (base-2 exponent)."""
     s = tl.where(allowed, scores * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    l = l * alpha + tl.sum(p, axis=1)
+    denom = denom * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
+    return m_new, denom, acc

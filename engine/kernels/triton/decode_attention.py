@@ -41,7 +41,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
     end = tl.minimum(start + split_tokens, context)
     dv = tl.arange(0, BLOCK_DV)
     m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for tile in range(start, end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
@@ -54,11 +54,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
         else:
             v_rows = blocks * v_stride0 + (tokens % PAGE) * v_stride1 + kv_head * v_stride2
             v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :], other=0.0)
-        m, l, acc = online_softmax_step(scores, valid[None, :], m, l, acc, v, scale_log2)
+        m, denom, acc = online_softmax_step(scores, valid[None, :], m, denom, acc, v, scale_log2)
 
-    has_tokens = l > 0
-    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
-    part = acc / tl.where(has_tokens, l, 1.0)[:, None]
+    has_tokens = denom > 0
+    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, denom, 1.0)), float("-inf"))
+    part = acc / tl.where(has_tokens, denom, 1.0)[:, None]
     rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
     tl.store(part_lse_ptr + rows, lse, mask=g_mask)
     tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part, mask=g_mask[:, None] & (dv < V_DIM)[None, :])
@@ -125,8 +125,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, values, block_tables, context_lens, part_out, part_lse, softmax_scale * _LOG2E,
-        num_heads, group, head_blocks, split_tokens, q.stride(0), q.stride(1), *k_cache.stride()[:3], *values.stride()[:3],
-        block_tables.stride(0),
+        num_heads, group, head_blocks, split_tokens, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *values.stride()[:3], block_tables.stride(0),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
         num_warps=4, num_stages=2)

@@ -45,7 +45,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
         end = tl.minimum(k_len, (q_block + 1) * BLOCK_M + shift)
     dv = tl.arange(0, BLOCK_DV)
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for tile in range(0, end, BLOCK_N):
         cols = tile + tl.arange(0, BLOCK_N)
@@ -57,8 +57,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
         allowed = col_mask[None, :]
         if CAUSAL:
             allowed = allowed & (cols[None, :] <= rows[:, None] + shift)
-        m, l, acc = online_softmax_step(scores, allowed, m, l, acc, v, scale_log2)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        m, denom, acc = online_softmax_step(scores, allowed, m, denom, acc, v, scale_log2)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + ((q_start + rows) * o_stride0 + head * o_stride1)[:, None] + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dv < V_DIM)[None, :])
 
