@@ -29,11 +29,11 @@ timeout 80 python3 -m engine bench latency --preset qwen3-8b --random-weights --
     --output "$OUT/latency_qwen3_8b_graphs.json" > /dev/null 2>> "$OUT/bench.log" || status=1
 
 echo "== Qwen3-8B server: bench serve, 100 prompts, concurrency 1 and 16"
-python3 -m engine.bench.preset_server serve --preset qwen3-8b --port 8011 --max-model-len 4096 --device cuda \
+python3 -m engine.bench.preset_server --preset qwen3-8b --port 8011 --max-model-len 4096 --device cuda \
     --enforce-eager > "$OUT/server.log" 2>&1 &
 server=$!
 for c in 1 16; do
-    timeout 100 python3 -m engine bench serve --preset qwen3-8b --url http://127.0.0.1:8011 --num-prompts 100 \
+    timeout 100 python3 -m engine bench serve --preset qwen3-8b --random-weights --url http://127.0.0.1:8011 --num-prompts 100 \
         --max-concurrency $c --input-len 128 --output-len 16 --health-timeout 60 \
         --output "$OUT/serve_qwen3_8b_c$c.json" > /dev/null 2>> "$OUT/bench.log" || status=1
 done
@@ -41,7 +41,7 @@ kill -TERM $server; wait $server
 
 echo "== DeepSeek-V2-Lite latency (eager) vs transformers eager"
 timeout 130 python3 -m engine bench latency --preset deepseek-v2-lite --random-weights --enforce-eager \
-    --compare hf-eager --prompt-lens 128,1024 --max-model-len 2048 --output "$OUT/latency_dsv2_lite.json" > /dev/null 2>> "$OUT/bench.log" || status=1
+    --compare hf-eager --prompt-lens 128,1024 --max-model-len 2048 --decode-tokens 64 --split-steps 8 --output "$OUT/latency_dsv2_lite.json" > /dev/null 2>> "$OUT/bench.log" || status=1
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -11,9 +11,11 @@ STEPS = 64
 ENGINE_ARGS = dict(device="cuda", dtype="float32", block_size=16, max_num_seqs=8, max_model_len=512)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("q3"), "Qwen3ForCausalLM", seed=5)
+@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "DeepseekV2ForCausalLM"])
+def engines(tmp_path_factory, request):
+    """(eager, graphed) engines on one tiny checkpoint: dense Qwen3, and DeepSeek-V2 (MLA over the
+    latent cache, MoE decode paths without a host read)."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
     return LLMEngine(path, enforce_eager=True, **ENGINE_ARGS), LLMEngine(path, **ENGINE_ARGS)
 
 
