@@ -577,6 +577,7 @@ class OpenAIServer:
             await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
 
         sent = [0] * len(streams)
+        tokens_sent = [0] * len(streams)
         try:
             if shape.opening is not None:
                 for s in streams:
@@ -584,7 +585,7 @@ class OpenAIServer:
             while len(finals) < len(streams):
                 index, update = await updates.get()
                 holdback = 0 if update.finished else max(map(len, streams[index].params.stop), default=1) - 1
-                visible = update.text[:len(update.text) - holdback]
+                visible = update.text[:max(0, len(update.text) - holdback)]
                 if update.finished:
                     finals[index] = update
                     try:
@@ -592,9 +593,12 @@ class OpenAIServer:
                     except APIError as e:
                         await send(e.body())
                         break
-                if len(visible) > sent[index] or update.finished:
+                # a chunk per step that produced tokens, even when they add no visible text yet (a token
+                # inside a multi-byte character or a possible stop string): clients see the time of every
+                # token, as TTFT / ITL measure it
+                if len(visible) > sent[index] or update.num_tokens > tokens_sent[index] or update.finished:
                     await send({**head, "choices": [shape.delta(index, visible[sent[index]:], update.finish_reason)]})
-                    sent[index] = len(visible)
+                    sent[index], tokens_sent[index] = max(sent[index], len(visible)), update.num_tokens
             if include_usage:
                 await send({**head, "choices": [], "usage": _usage(streams, finals)})
             await send("[DONE]")
