@@ -52,8 +52,9 @@ def generate(args: argparse.Namespace) -> int:
     from engine.sequence import SamplingParams
 
     engine = build_engine(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or ())
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {name: engine.sampling_defaults[name] if value is None else value for name, value in given.items()}
+    params = SamplingParams(**sampling, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or ())
     prompts = args.prompt or ["def fibonacci(n):"]
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
@@ -81,9 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--prompt", action="append", help="a prompt (repeat for several, batched together)")
     sampling.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="0 = greedy (default: the checkpoint's generation_config.json when it samples, "
+                               "else 0)")
+    sampling.add_argument("--top-p", type=float, default=None,
+                          help="nucleus sampling mass (default: generation_config.json's, else 1.0 = off)")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="keep the k most likely tokens (default: generation_config.json's, else 0 = off)")
     sampling.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
     sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(run=generate)

@@ -83,12 +83,24 @@ def _runner_family(config: ModelConfig, backend: str) -> str:
     return family
 
 
-def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> set[int]:
+def _generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _sampling_defaults(generation_config: dict) -> dict:
+    """The checkpoint's recommended temperature / top_p / top_k (generation_config.json with
+    do_sample), else greedy: what a request that names none of them gets from the CLI."""
+    if not generation_config.get("do_sample"):
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    return {"temperature": float(generation_config.get("temperature", 1.0)),
+            "top_p": float(generation_config.get("top_p", 1.0)), "top_k": int(generation_config.get("top_k") or 0)}
+
+
+def _eos_token_ids(generation_config: dict, config: ModelConfig, tokenizer) -> set[int]:
     ids = set(config.eos_token_ids)
-    gen_file = model_dir / "generation_config.json"
-    if gen_file.is_file():
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = generation_config.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -163,7 +175,9 @@ class LLMEngine:
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
                                       max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.eos_token_ids = _eos_token_ids(model_dir, config, self.tokenizer)
+        generation_config = _generation_config(model_dir)
+        self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
+        self.sampling_defaults = _sampling_defaults(generation_config)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    self.eos_token_ids)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len

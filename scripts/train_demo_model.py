@@ -167,8 +167,9 @@ def build_model(eot: int) -> Qwen3ForCausalLM:
         bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
     )
     model = Qwen3ForCausalLM(config)
+    # sampling by default: greedy decoding of a model this small falls into repetition loops
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                                               do_sample=False)
+                                               do_sample=True, temperature=0.6, top_p=0.9)
     return model
 
 
