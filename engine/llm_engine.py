@@ -23,6 +23,9 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import init_tp_distributed
+from engine.hf_runner import HFModelRunner
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.models.qwen import QwenForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -30,10 +33,8 @@ from engine.sequence import SamplingParams, Sequence, SequenceStatus
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
-QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForCausalLM", "Qwen2_5_VLForCausalLM",
-                      "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-BACKENDS = ("tp", "qwen_tp", "deepseek_tp", "hf")
+FORCED_CLASSES = {"qwen_tp": QwenForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
+BACKENDS = ("tp", *FORCED_CLASSES, "hf")
 
 
 @dataclass
@@ -64,23 +65,23 @@ class _Request:
                              "rejected" if rejected else seq.finish_reason, seq.reject_reason)
 
 
-def _runner_family(config: ModelConfig, backend: str) -> str:
-    """"qwen", "deepseek" or "hf" for ``backend`` and the checkpoint's ``architectures[0]``."""
+def _model_class(config: ModelConfig, backend: str) -> type | None:
+    """The model class for ``backend`` (None for "hf"): "tp" routes by ``architectures[0]``;
+    "qwen_tp" / "deepseek_tp" force that family's runner (an architecture the registry maps into
+    the family keeps its own class, e.g. Qwen2-VL's text-only variant)."""
     if backend not in BACKENDS:
         raise ValueError(f"inference_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "hf":
-        return "hf"
-    if backend == "qwen_tp" or (backend == "tp" and config.architecture in QWEN_ARCHITECTURES):
-        family = "qwen"
-    elif backend == "deepseek_tp" or (backend == "tp" and config.architecture in DEEPSEEK_ARCHITECTURES):
-        family = "deepseek"
-    else:
-        raise ValueError(f"unsupported architecture {config.architecture!r} in config.json; supported: "
-                         f"{', '.join(QWEN_ARCHITECTURES + DEEPSEEK_ARCHITECTURES)} (or inference_backend='hf')")
-    if config.architecture not in MODEL_CLASSES:
-        raise ValueError(f"architecture {config.architecture!r} ({family} family) is not yet supported by the "
-                         f"{family} runner; supported now: {', '.join(sorted(MODEL_CLASSES))}")
-    return family
+        return None
+    known = MODEL_CLASSES.get(config.architecture)
+    if backend == "tp":
+        if known is None:
+            raise ValueError(f"unsupported architecture {config.architecture!r} in config.json; supported: "
+                             f"{', '.join(sorted(MODEL_CLASSES))} (or inference_backend='hf', 'qwen_tp', "
+                             f"'deepseek_tp')")
+        return known
+    forced = FORCED_CLASSES[backend]
+    return known if known is not None and issubclass(known, forced) else forced
 
 
 def _generation_config(model_dir: Path) -> dict:
@@ -140,7 +141,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir)
-        family = _runner_family(config, inference_backend)
+        model_class = _model_class(config, inference_backend)
         self.tokenizer = _load_tokenizer(model_dir)
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
@@ -163,9 +164,7 @@ class LLMEngine:
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         if progress is None:
             progress = sys.stderr.isatty() and self.tp.rank == 0
-        if family == "hf":
-            from engine.hf_runner import HFModelRunner
-
+        if model_class is None:
             enable_prefix_caching = False  # each sequence runs its whole prompt in transformers' own cache
             self.runner = HFModelRunner(model_dir, device, dtype, self.tp, block_size, max_num_seqs, max_model_len)
         else:
@@ -173,7 +172,7 @@ class LLMEngine:
 
             cuda_graphs = device.type == "cuda" and self.tp.size == 1 and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
-                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs)
+                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         generation_config = _generation_config(model_dir)
         self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
@@ -187,13 +186,14 @@ class LLMEngine:
         self._generation: list[str] = []
         self.num_steps = 0
         if self.tp.rank == 0:
-            print(self.summary(family), file=sys.stderr, flush=True)
+            print(self.summary(), file=sys.stderr, flush=True)
 
-    def summary(self, family: str) -> str:
+    def summary(self) -> str:
         r = self.runner
         kv_tokens = r.num_blocks * self.block_manager.block_size
         graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
-        return (f"agent-infer: {self.config.architecture} ({family} runner) from {self.model_dir} | {self.dtype} on "
+        runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
+        return (f"agent-infer: {self.config.architecture} ({runner}) from {self.model_dir} | {self.dtype} on "
                 f"{self.device} | {graphs} | tp {self.tp.size} | weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
                 f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
                 f"max_model_len {self.max_model_len} | loaded in {r.load_seconds:.1f} s")

@@ -8,8 +8,8 @@ inputs are built with a few vectorised torch ops and reach the device in one
 copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
 With ``cuda_graphs`` (CUDA, one rank) decode steps replay CUDA graphs captured
 once per batch size of a ladder up to ``max_num_seqs``: a batch is padded to the
-next captured size with rows that read one token of the null block and write
-nowhere (slot -1). Prefill stays eager; sampling runs after the replay.
+next captured size with rows that attend to one token of block 0 (whatever it
+holds; their output is dropped) and write nowhere (slot -1). Prefill stays eager; sampling runs after the replay.
 Nothing above the runner sees a tensor; nothing below it sees a Sequence.
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ def unique_parameter_bytes(model: nn.Module) -> int:
 
 
 class ModelRunner:
-    """Builds the model for ``config`` on ``device`` in ``dtype``, loads ``model_dir``'s weights
+    """Builds the model for ``config`` (``model_class``, default: routed by architecture) on
+    ``device`` in ``dtype``, loads ``model_dir``'s weights
     (this rank's shards), then sizes the KV pool once from what memory is left
     (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
     ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
@@ -62,11 +63,11 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, model_class: type[nn.Module] | None = None):
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
-        self.model = build_model(config, device, dtype, tp)
+        self.model = build_model(config, device, dtype, tp, model_class)
         load_checkpoint(self.model, model_dir, progress=progress)
         self.model.eval()
         self.load_seconds = time.perf_counter() - start
@@ -225,11 +226,12 @@ class ModelRunner:
         batch = len(seqs)
         if self._staging_copied is not None:
             self._staging_copied.synchronize()  # the previous step's copy has left the staging buffer
-        host = self._decode_staging[:, :size]
-        host[:, batch:] = torch.tensor([[0], [0], [self.pad_row]])
+        host = self._decode_staging
+        host[:2, batch:size] = 0
+        host[2, batch:size] = self.pad_row
         host[:, :batch] = torch.tensor([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs],
                                         [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
-        self.decode_inputs[:, :size].copy_(host, non_blocking=True)
+        self.decode_inputs.copy_(host, non_blocking=True)  # whole buffer: a column slice is not contiguous
         if self._staging_copied is not None:
             self._staging_copied.record()
 
@@ -285,4 +287,4 @@ class ModelRunner:
         return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
                             sampled_rows=ints[3, :len(sampled)],
                             max_top_k=max(top_ks) if min(top_ks) > 0 else None,
-                            use_top_p=any(params[i].top_p < 1 for i in sampled))
+                            use_top_k=max(top_ks) > 0, use_top_p=any(params[i].top_p < 1 for i in sampled))

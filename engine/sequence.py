@@ -91,7 +91,7 @@ class Sequence:
         self.seed = seed if seed is not None else random.getrandbits(63)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "rejected"
         self.reject_reason: str | None = None
         self.block_table: list[int] = []
         self.num_cached_tokens = 0

@@ -58,8 +58,10 @@ class Sampler(nn.Module):
     that give the same tokens for less work: ``sampled_rows`` (int64 ``[S]``, the rows
     with temperature > 0; the others take only the argmax), ``max_top_k`` (the largest
     top_k among them when every one sets top_k > 0: only that many candidates are
-    kept, by ``topk`` instead of a full sort) and ``use_top_p`` (False when no
-    sampled row sets top_p < 1: no softmax/cumsum over the candidates).
+    kept, by ``topk`` instead of a full sort), ``use_top_k`` (False when no sampled row
+    sets top_k > 0) and ``use_top_p`` (False when no sampled row sets top_p < 1: no
+    softmax/cumsum over the candidates). With neither filter every token is a candidate
+    and nothing is sorted.
     """
 
     def __init__(self, tp: TPGroup | None = None):
@@ -69,7 +71,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                 top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
                 sampled_rows: torch.Tensor | None = None, max_top_k: int | None = None,
-                use_top_p: bool = True) -> torch.Tensor:
+                use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -81,23 +83,24 @@ class Sampler(nn.Module):
             ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
         elif sampled_rows is None:
             sampled = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, steps,
-                                   max_top_k, use_top_p)
+                                   max_top_k, use_top_k, use_top_p)
             ids = torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
         else:
             ids = logits.argmax(dim=-1)
             if sampled_rows.numel():
                 picked = [t.index_select(0, sampled_rows) for t in (logits, temperatures, top_ks, top_ps, seeds, steps)]
                 ids[sampled_rows] = self._sample(picked[0].float(), picked[1].float(), picked[2], picked[3].float(),
-                                                 picked[4], picked[5], max_top_k, use_top_p)
+                                                 picked[4], picked[5], max_top_k, use_top_k, use_top_p)
         return broadcast_tensor(ids, src=0)
 
     @staticmethod
-    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps, max_top_k=None, use_top_p=True) -> torch.Tensor:
+    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps, max_top_k=None, use_top_k=True,
+                use_top_p=True) -> torch.Tensor:
         """Draw one token per row (every row treated as temperature > 0)."""
         vocab_size = logits.shape[1]
         # below 1e-5 a temperature is a greedy pick anyway; clamping keeps logits / t finite
         scaled = logits / temperatures.clamp(min=1e-5)[:, None]
-        if max_top_k is None and not use_top_p:
+        if not use_top_k and not use_top_p:
             candidates, token_ids = scaled, torch.arange(vocab_size, device=logits.device)
         else:
             num_candidates = vocab_size if max_top_k is None else min(max_top_k, vocab_size)

@@ -11,7 +11,7 @@ from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup, get_ep_group, get_tp_group
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.mla import MultiHeadLatentAttention
-from engine.layers.moe import MoE, SwiGLUMLP
+from engine.layers.moe import DENSE_MAX_TOKENS, MoE, SwiGLUMLP
 from engine.layers.norm import RMSNorm
 
 
@@ -59,11 +59,11 @@ class DeepseekV2ForCausalLM(nn.Module):
     caches one latent entry per token (``kv_cache.kv_cache_spec``). Checkpoint gate/up
     tensors load into merged projections through ``packed_modules``, per-expert tensors
     ``experts.<e>.<name>.weight`` into the stacked expert weights through ``expert_params``.
-    ``max_graph_batch``: the MoE decode paths without a host read serve up to 64 tokens, so
-    CUDA graphs are captured only up to that batch size.
+    ``max_graph_batch``: the MoE decode paths without a host read serve up to
+    ``DENSE_MAX_TOKENS`` tokens, so CUDA graphs are captured only up to that batch size.
     """
 
-    max_graph_batch = 64
+    max_graph_batch = DENSE_MAX_TOKENS
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     expert_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                      "down_proj": ("down_proj", 0)}

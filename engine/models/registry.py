@@ -50,10 +50,10 @@ def creating_in(dtype: torch.dtype, device: torch.device | str):
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
-                tp: TPGroup | None = None) -> nn.Module:
-    """Instantiate the model for `config` with uninitialised parameters created
-    directly in `dtype` on `device` (never a float32 copy first)."""
+                tp: TPGroup | None = None, cls: type[nn.Module] | None = None) -> nn.Module:
+    """Instantiate ``cls`` (default: the class routed from `config`) with uninitialised
+    parameters created directly in `dtype` on `device` (never a float32 copy first)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(config, device)
     with creating_in(dtype, device):
-        return model_class(config)(config, tp)
+        return (cls or model_class(config))(config, tp)

@@ -157,7 +157,8 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     assert my_tokens(seed + 1, [1] * steps) != alone
 
 
-@pytest.mark.parametrize("case", ["mixed", "all_top_k", "no_top_p", "temperature_only", "all_greedy"])
+@pytest.mark.parametrize("case", ["mixed", "all_top_k", "no_top_p", "top_k_mixed_no_top_p", "temperature_only",
+                                  "all_greedy"])
 def test_runner_hints_give_the_same_tokens(case):
     """The runner's host-side hints (sampled rows only, topk candidates instead of a full
     sort, no top-p pass when nobody asks) pick exactly the tokens of the unhinted path."""
@@ -171,8 +172,10 @@ def test_runner_hints_give_the_same_tokens(case):
     if case == "mixed":
         top_ks[1::4] = 0
         top_ps[2::5] = 1.0
-    if case in ("no_top_p", "temperature_only"):
+    if case in ("no_top_p", "temperature_only", "top_k_mixed_no_top_p"):
         top_ps[:] = 1.0
+    if case == "top_k_mixed_no_top_p":  # some rows filter by top_k, others not, nobody by top_p
+        top_ks[1::3] = 0
     if case == "temperature_only":
         top_ks[:] = -1
     if case == "all_greedy":
@@ -185,7 +188,7 @@ def test_runner_hints_give_the_same_tokens(case):
     ks = top_ks[rows].tolist()
     hinted = Sampler(TPGroup())(*args, sampled_rows=rows,
                                 max_top_k=max(ks) if ks and min(ks) > 0 else None,
-                                use_top_p=bool((top_ps[rows] < 1).any()))
+                                use_top_k=bool(ks) and max(ks) > 0, use_top_p=bool((top_ps[rows] < 1).any()))
     assert torch.equal(plain, hinted)
 
 

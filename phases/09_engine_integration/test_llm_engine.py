@@ -279,3 +279,36 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engines):
     assert together[3] == alone
     assert engine.generate_tokens([prompts[3]], SamplingParams(temperature=0.8, max_tokens=MAX_NEW, seed=99))[0] \
         != alone
+
+
+def test_top_k_holds_beside_requests_without_it(engines):
+    """top_k=1 draws the argmax whatever the temperature, also when the batch holds a request
+    that sets no top_k and no request sets top_p (the runner's sampling hints must keep the
+    top-k filter)."""
+    engine = engines["Qwen3ForCausalLM"]
+    prompts = prompts_with_shared_prefix(seed=9)[:4]
+    greedy_tokens = engine.generate_tokens(prompts[:2], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    ids = [engine.add_request(p, SamplingParams(temperature=1.5, top_k=1, max_tokens=MAX_NEW, seed=3))
+           for p in prompts[:2]]
+    ids += [engine.add_request(p, SamplingParams(temperature=1.5, max_tokens=MAX_NEW, seed=4)) for p in prompts[2:]]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [engine.pop_request(i).token_ids for i in ids[:2]] == greedy_tokens
+    for rid in ids[2:]:
+        engine.pop_request(rid)
+    assert_no_block_leaks(engine)
+
+
+def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greedy):
+    """inference_backend="qwen_tp" runs the Qwen model on an architecture name the router does not
+    know (and "tp" refuses it); the tokens are those of the routed engine."""
+    path = tmp_path / "renamed"
+    shutil.copytree(checkpoints["Qwen3ForCausalLM"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLMExperimental"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'Qwen3ForCausalLMExperimental'"):
+        LLMEngine(path, **ENGINE_ARGS)
+    forced = LLMEngine(path, inference_backend="qwen_tp", **ENGINE_ARGS)
+    assert type(forced.runner.model) is QwenForCausalLM
+    prompts = prompts_with_shared_prefix(seed=10)[:3]
+    assert forced.generate_tokens(prompts, greedy) == engines["Qwen3ForCausalLM"].generate_tokens(prompts, greedy)
