@@ -83,7 +83,7 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
     """A small word-level tokenizer (tokenizer.json + tokenizer_config.json)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<|endoftext|>": 1}
     for w in WORDS:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from phases.checkpoints import tiny_hf_config
 from engine.config import ModelConfig
+from phases.checkpoints import tiny_hf_config
 
 
 def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_size: int,

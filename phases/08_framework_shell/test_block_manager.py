@@ -2,12 +2,12 @@
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.block_manager import BlockManager, chain_hash
 from engine.sequence import Sequence
-
 from shell_kv_oracle import KVOracle
 
 TOKENS = st.integers(0, 3)  # a tiny vocabulary makes equal blocks (and prefix hits) common

@@ -142,7 +142,8 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
             pos = int(torch.randint(0, batch, (1,), generator=gen))
             logits = torch.randn(batch, vocab, generator=gen) * 2
             logits[pos] = mine[step]
-            columns = dict(temperature=torch.rand(batch, generator=gen), top_k=torch.randint(0, 30, (batch,), generator=gen),
+            columns = dict(temperature=torch.rand(batch, generator=gen),
+                           top_k=torch.randint(0, 30, (batch,), generator=gen),
                            top_p=torch.rand(batch, generator=gen) * 0.9 + 0.1,
                            seeds=torch.randint(0, 2**62, (batch,), generator=gen))
             for name, value in zip(("temperature", "top_k", "top_p", "seeds"), (*params.values(), seed_value)):

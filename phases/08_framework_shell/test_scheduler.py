@@ -2,12 +2,13 @@
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SequenceStatus as S
-
+from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SequenceStatus as S
 from shell_kv_oracle import KVOracle
 
 EOS = 0
