@@ -240,6 +240,13 @@ class LLMEngine:
     def request_output(self, request_id: str) -> RequestOutput:
         return self._requests[request_id].output()
 
+    def request_progress(self, request_id: str) -> tuple[str, int, bool]:
+        """(text, output token count, finished) so far without copying the token ids: what a
+        streaming loop polls every step (``request_output`` once the request has finished)."""
+        request = self._requests[request_id]
+        text = request.detokenizer.text if request.detokenizer else ""
+        return text, request.seq.num_output_tokens, request.seq.is_finished
+
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
         output = self._requests[request_id].output()

@@ -255,13 +255,14 @@ class EngineLoop:
     def _publish(self, error: str | None) -> None:
         """Deliver every request's changed output; forget the finished ones."""
         for request_id, stream in list(self._streams.items()):
-            out = self.engine.request_output(request_id)
-            if out.finished:
+            text, num_tokens, finished = self.engine.request_progress(request_id)
+            if finished:
+                out = self.engine.request_output(request_id)
                 del self._streams[request_id]
                 message = error if out.finish_reason == "error" else out.reject_reason
                 stream.deliver(Update(out.text, len(out.token_ids), out.finish_reason, message))
-            elif len(out.text) != len(stream.last.text) or len(out.token_ids) != stream.last.num_tokens:
-                stream.deliver(Update(out.text, len(out.token_ids)))
+            elif len(text) != len(stream.last.text) or num_tokens != stream.last.num_tokens:
+                stream.deliver(Update(text, num_tokens))
 
     def _close(self, reason: str) -> None:
         """No more submissions; every stream still waiting ends as "abort" with ``reason``."""

@@ -312,3 +312,15 @@ def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greed
     assert type(forced.runner.model) is QwenForCausalLM
     prompts = prompts_with_shared_prefix(seed=10)[:3]
     assert forced.generate_tokens(prompts, greedy) == engines["Qwen3ForCausalLM"].generate_tokens(prompts, greedy)
+
+
+def test_request_progress_follows_the_output(engines, greedy):
+    """request_progress (what a streaming loop polls) agrees with request_output at every step."""
+    engine = engines["Qwen2ForCausalLM"]
+    rid = engine.add_request("the quick brown fox", greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+        out = engine.request_output(rid)
+        assert engine.request_progress(rid) == (out.text, len(out.token_ids), out.finished)
+    engine.pop_request(rid)
+    assert_no_block_leaks(engine)
