@@ -46,6 +46,7 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
         self._unpublished: dict[str, list[int]] = {}  # request id -> its hashed blocks whose K/V is not yet written
+        self._last_hashes: tuple[Sequence | None, int, list[bytes]] = (None, 0, [])
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -133,13 +134,20 @@ class BlockManager:
         seq.num_cached_tokens = 0
 
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chain hashes of ``seq``'s full blocks. The last result is kept: admitting a request asks
+        three times (cached_prefix_len, can_allocate, allocate), and a request waiting at the head
+        of the queue asks again every step."""
         if not self.enable_prefix_caching:
             return []
+        last_seq, last_len, last_hashes = self._last_hashes
+        if last_seq is seq and last_len == seq.num_tokens:  # tokens only ever append
+            return last_hashes
         tokens, size = seq.token_ids, self.block_size
         hashes, h = [], b""
         for start in range(0, len(tokens) - size + 1, size):
             h = chain_hash(h, tokens[start:start + size])
             hashes.append(h)
+        self._last_hashes = (seq, seq.num_tokens, hashes)
         return hashes
 
     def _prefix_hits(self, seq: Sequence, hashes: list[bytes]) -> list[int]:
