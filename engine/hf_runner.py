@@ -34,7 +34,7 @@ class HFModelRunner:
         self.device, self.dtype = device, dtype
         self.weight_bytes = unique_parameter_bytes(self.model)
         self.num_blocks = max_num_seqs * -(-max_model_len // block_size)
-        self.kv_bytes_per_token = self.kv_cache_bytes = 0
+        self.kv_cache_bytes = 0
         self.sampler = Sampler(tp)
         self._caches: dict[str, object] = {}
 

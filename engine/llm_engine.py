@@ -331,20 +331,22 @@ class LLMEngine:
         params = sampling_params or _sampling_params(max_new_tokens, temperature, top_p, top_k, stop, seed,
                                                      ignore_eos)
         ids = self.begin_generation(prompts, params)
-        while self.has_unfinished_requests():
-            self.step()
+        self._run_to_completion()
         texts = [self.pop_request(rid).text for rid in ids]
         self._generation = []
-        self._finished_unreported.clear()
         return texts[0] if isinstance(prompts, str) else texts
 
     def generate_tokens(self, prompts: list[list[int]], sampling_params: SamplingParams) -> list[list[int]]:
         """Output token ids for prompts given as token ids (no detokenisation)."""
         ids = [self.add_request(p, sampling_params, detokenize=False) for p in prompts]
+        self._run_to_completion()
+        return [self.pop_request(rid).token_ids for rid in ids]
+
+    def _run_to_completion(self) -> None:
+        """Step until every request has finished; the caller collects the outputs itself."""
         while self.has_unfinished_requests():
             self.step()
         self._finished_unreported.clear()
-        return [self.pop_request(rid).token_ids for rid in ids]
 
 
 def _sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

@@ -73,12 +73,11 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = unique_parameter_bytes(self.model)
 
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model, dtype)
         free_bytes = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - reserve_bytes)
-        num_blocks = plan_num_blocks(self.kv_bytes_per_token, block_size, max_num_seqs, max_model_len,
+        num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, dtype), block_size, max_num_seqs, max_model_len,
                                      free_bytes, mem_utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, dtype, device)
