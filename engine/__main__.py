@@ -35,7 +35,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fraction of the free device memory the KV cache may take (default 0.9)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="decode without CUDA graphs (graphs are the default on CUDA with one rank)")
+                       help="decode without CUDA graphs (graphs are the default on CUDA)")
+    group.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="tensor parallel on CUDA: all-reduce with NCCL only (default: symmetric memory for "
+                            "small messages)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -45,7 +48,7 @@ def build_engine(args: argparse.Namespace):
                      mem_utilization=args.mem_utilization, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
-                     enforce_eager=args.enforce_eager)
+                     enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ class TPGroup:
 
 _groups: dict[str, TPGroup] = {}   # the initialised groups by name: "tp", "ep"
 _custom_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+_custom_all_reduce_name = ""   # which custom path init_custom_all_reduce chose, "" for none
 
 
 def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
@@ -145,7 +146,7 @@ def init_custom_all_reduce(device: torch.device | str) -> None:
     if every rank succeeded; otherwise the reason is logged once and
     ``all_reduce_sum`` keeps using NCCL. A no-op for tp = 1 or a CPU device.
     """
-    global _custom_all_reduce
+    global _custom_all_reduce, _custom_all_reduce_name
     device = torch.device(device)
     if get_tp_group().size == 1 or device.type != "cuda" or _custom_all_reduce is not None:
         return
@@ -158,8 +159,17 @@ def init_custom_all_reduce(device: torch.device | str) -> None:
             reasons.append(f"{make.__name__}: {e!r}")
         if _on_every_rank(handle is not None):
             _custom_all_reduce = handle
+            _custom_all_reduce_name = "symmetric memory" if make is _symmetric_memory_all_reduce else "vllm custom"
             return
     log.warning("custom all-reduce unavailable, using NCCL (%s)", "; ".join(reasons) or "another rank failed")
+
+
+def all_reduce_path() -> str:
+    """What a small TP all-reduce runs on: "symmetric memory", "vllm custom", else the process
+    group's backend ("nccl", "gloo"), or "none" for one rank."""
+    if get_tp_group().size == 1:
+        return "none"
+    return _custom_all_reduce_name or dist.get_backend(get_tp_group().group)
 
 
 def _on_every_rank(flag: bool) -> bool:

@@ -22,7 +22,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed import init_tp_distributed
+from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
 from engine.hf_runner import HFModelRunner
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.qwen import QwenForCausalLM
@@ -131,14 +131,17 @@ class LLMEngine:
     ``max_model_len`` defaults to the model's ``max_position_embeddings``; ``max_num_seqs``
     to 256 on CUDA and 16 on CPU; ``dtype`` to float32 on CPU, else the checkpoint's half
     dtype (bfloat16 if none); ``device`` to ``cuda:LOCAL_RANK`` when CUDA is present.
-    On CUDA with one rank, decode replays CUDA graphs unless ``enforce_eager``.
+    On CUDA, decode replays CUDA graphs unless ``enforce_eager``. Under TP on CUDA the
+    all-reduce uses the custom (symmetric-memory) path for small messages unless
+    ``custom_all_reduce=False`` (NCCL only).
     """
 
     def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None):
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
+                 custom_all_reduce: bool = True):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir)
         model_class = _model_class(config, inference_backend)
@@ -159,6 +162,8 @@ class LLMEngine:
             if not isinstance(dtype, torch.dtype):
                 raise ValueError("dtype must be one of float32, float16, bfloat16")
         dtype = dtype or default_dtype(config, device)
+        if custom_all_reduce:
+            init_custom_all_reduce(device)  # a no-op for one rank or a CPU device
         if max_num_seqs is None:
             max_num_seqs = 256 if device.type == "cuda" else 16
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -170,7 +175,7 @@ class LLMEngine:
         else:
             from engine.model_runner import ModelRunner
 
-            cuda_graphs = device.type == "cuda" and self.tp.size == 1 and not enforce_eager
+            cuda_graphs = device.type == "cuda" and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
                                       max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
@@ -193,8 +198,10 @@ class LLMEngine:
         kv_tokens = r.num_blocks * self.block_manager.block_size
         graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
         runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
+        tp_detail = f" ({all_reduce_path()} all-reduce)" if self.tp.size > 1 else ""
         return (f"agent-infer: {self.config.architecture} ({runner}) from {self.model_dir} | {self.dtype} on "
-                f"{self.device} | {graphs} | tp {self.tp.size} | weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
+                f"{self.device} | {graphs} | tp {self.tp.size}{tp_detail} | "
+                f"weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
                 f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
                 f"max_model_len {self.max_model_len} | loaded in {r.load_seconds:.1f} s")
 

@@ -6,7 +6,7 @@ only where its block table grew since the last step; decode inputs land in
 static device buffers (the phase-11 CUDA graphs capture them). A step's host
 inputs are built with a few vectorised torch ops and reach the device in one
 copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
-With ``cuda_graphs`` (CUDA, one rank) decode steps replay CUDA graphs captured
+With ``cuda_graphs`` (CUDA; any TP size, every rank capturing the same sizes) decode steps replay CUDA graphs captured
 once per batch size of a ladder up to ``max_num_seqs``: a batch is padded to the
 next captured size with rows that attend to one token of block 0 (whatever it
 holds; their output is dropped) and write nowhere (slot -1). Prefill stays eager; sampling runs after the replay.
@@ -106,8 +106,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.graph_replays = 0
         if cuda_graphs:
-            if device.type != "cuda" or tp.size > 1:
-                raise ValueError("CUDA-graph decode needs a CUDA device and one rank (tensor-parallel decode is eager)")
+            if device.type != "cuda":
+                raise ValueError("CUDA-graph decode needs a CUDA device")
             limit = min(max_num_seqs, getattr(self.model, "max_graph_batch", max_num_seqs))
             self.capture_decode_graphs(graph_batch_sizes(limit))
 

@@ -254,7 +254,7 @@ def server_command(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return (command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
-            + ["--port", "0"])
+            + ["--disable-custom-all-reduce"] * args.disable_custom_all_reduce + ["--port", "0"])
 
 
 def machine() -> dict:
