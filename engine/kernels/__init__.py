@@ -1,10 +1,9 @@
 """Numeric primitives behind one interface (blueprint/contracts.md, phase 01).
 
 Every op picks its backend from its first tensor's device: CPU tensors use the
-torch reference (``reference.py``); CUDA tensors use ``vllm`` when both
-``vllm._custom_ops`` and ``flash_attn`` import, else ``triton``.
-``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend; forcing one
-that cannot run here is an error. Each backend module is the dispatch table:
+torch reference (``reference.py``); CUDA tensors use ``triton``.
+``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
+needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an error. Each backend module is the dispatch table:
 it defines the same seven functions. The wrappers below check shapes only
 (never tensor values), so they add no host sync.
 """
@@ -57,7 +56,7 @@ def _select(device_type: str, forced: str | None) -> str:
         if reason is not None:
             raise ValueError(f"{ENV_VAR}={forced} but that backend cannot run here ({reason})")
         return forced
-    return next(name for name in ("vllm", "triton", "torch") if _unavailable_reason(name) is None)
+    return next(name for name in ("triton", "torch") if _unavailable_reason(name) is None)
 
 
 def backend(device: torch.device | str = "cuda") -> str:

@@ -1,6 +1,6 @@
 """vllm / flash-attn backend: the seed's wrappers over ``vllm._custom_ops`` and ``flash_attn``.
 
-Picked on CUDA only when both packages import. Cases those libraries do not
+Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
 ``v_cache`` None), value head dims that differ from the query's, and paged
 blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum).
@@ -35,8 +35,18 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     torch.ops._C.silu_and_mul(out, input)  # registered by importing vllm._custom_ops
 
 
+_cos_sin_in_dtype: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """vllm's kernel reads the cache in the query's dtype: the float32 cache is cast once per
+    (cache, dtype) and kept."""
+    if cos_sin_cache.dtype != query.dtype:
+        cast_key = (cos_sin_cache.data_ptr(), query.dtype)
+        if cast_key not in _cos_sin_in_dtype:
+            _cos_sin_in_dtype[cast_key] = cos_sin_cache.to(query.dtype)
+        cos_sin_cache = _cos_sin_in_dtype[cast_key]
     vllm_ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 

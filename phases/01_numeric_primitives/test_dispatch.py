@@ -48,9 +48,13 @@ def test_forcing_a_backend_that_cannot_run_is_a_value_error(env, forced):
 
 
 @pytest.mark.cuda
-def test_cuda_default_backend_is_vllm_when_importable_else_triton(env):
+def test_cuda_default_backend_is_triton_and_vllm_is_opt_in(env):
+    """Triton is the CUDA default even where vllm imports; vllm runs only when forced."""
     env(None)
-    assert K.backend("cuda") == ("vllm" if vllm_importable() else "triton")
+    assert K.backend("cuda") == "triton"
+    if vllm_importable():
+        env("vllm")
+        assert K.backend("cuda") == "vllm"
     env("torch")
     assert K.backend("cuda") == "torch"
 
