@@ -3,9 +3,9 @@
 Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
 ``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
-needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an error. Each backend module is the dispatch table:
-it defines the same seven functions. The wrappers below check shapes only
-(never tensor values), so they add no host sync.
+needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
+error. Each backend module is the dispatch table: it defines the same seven functions.
+The wrappers below check shapes only (never tensor values), so they add no host sync.
 """
 from __future__ import annotations
 
