@@ -158,8 +158,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     ``q [B, Hq, D]``; caches ``[num_blocks, block_size, Hk, D]`` (``v_cache`` ``Dv``);
     ``block_tables [B, max_blocks]`` int32 (entries past a sequence's context are never read);
-    ``context_lens [B]`` int32, each >= 1. ``v_cache=None`` means V is the first ``v_head_dim``
-    channels of ``k_cache`` (MLA: one 512 + 64 latent head, V = first 512).
+    ``context_lens [B]`` int32; a row with context 0 (graph padding) is all zeros, never NaN.
+    ``v_cache=None`` means V is the first ``v_head_dim`` channels of ``k_cache`` (MLA: one
+    512 + 64 latent head, V = first 512).
     """
     _require(q.dim() == 3 and k_cache.dim() == 4 and q.shape[2] == k_cache.shape[3]
              and q.shape[1] % k_cache.shape[2] == 0,

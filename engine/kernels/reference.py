@@ -81,4 +81,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     beyond_context = torch.arange(keys.shape[1], device=q.device) >= context_lens[:, None].long()
     scores.masked_fill_(beyond_context[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgs,bshe->bhge", scores.softmax(-1), values.float())
+    out.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)  # softmax over nothing: 0/0 -> a zero row
     return out.reshape(batch, num_heads, -1).to(q.dtype)

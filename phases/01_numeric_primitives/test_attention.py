@@ -153,11 +153,27 @@ def test_paged_decode_attention_mla_latent_cache(target, block_size):
                                                                                      else 3], seed=block_size)
 
 
+def test_paged_decode_empty_context_gives_a_zero_row(target):
+    """A row with context length 0 (a padded graph row) is exactly zero, never 0/0 = NaN (NaN
+    would poison MoE routing downstream); the other rows are unaffected."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, lens = 16, [0, 21, 0]
+    q = rand(gen, 3, 4, 64, target=target)
+    k_cache, v_cache = (rand(gen, 4, block_size, 2, 64, target=target) for _ in range(2))
+    tables = torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32)
+    out = target.ops.paged_decode_attention(q, k_cache, v_cache, tables.to(target.device),
+                                            torch.tensor(lens, dtype=torch.int32, device=target.device), 0.125)
+    assert torch.equal(out[0::2].float().cpu(), torch.zeros(2, 4, 64))
+    want = decode_truth(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], 0.125, 64)
+    assert_close(out[1:2], want, target.tol, "paged decode beside empty rows")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 40])
 def test_paged_decode_split_count_does_not_change_the_result(target, num_splits):
     """The Triton split-K merge: any number of splits (empty ones included) gives the float64
-    answer. With a 2208-token table and 64-token tiles the requests give 1, 3 (odd) and 35
-    splits (more than one 32-split merge step)."""
+    answer. Each split takes whole 64-token tiles of its own context: at 40 splits the
+    2200-token context fills 35 (more than one 32-split merge step), 150 tokens fill 3 and
+    1 token fills 1, the rest stay empty."""
     if "triton" not in target.module:
         pytest.skip("num_splits is a Triton-backend knob")
     run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 2200], seed=num_splits, num_splits=num_splits)

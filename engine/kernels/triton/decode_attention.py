@@ -5,7 +5,11 @@ of the context against every query head of that KV head at once (the head
 group is padded to >= 16 rows for tl.dot) and writes a normalised partial
 output and its log-sum-exp. Stage 2 merges the splits. The number of splits
 comes from host ints only (batch, heads, block-table width, SM count), never
-from ``context_lens``, so the launch is CUDA-graph safe.
+from ``context_lens``, so the launch is CUDA-graph safe; each program sizes
+its slice from its sequence's context length on the device, so a short
+context in a wide table (a graph captured for max_model_len) is still spread
+over every split instead of landing in the first one. A sequence with context
+length 0 (no split has a token) gets a zero row, never 0/0.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-                         num_heads, group, head_blocks, split_tokens, q_stride0, q_stride1,
+                         num_heads, group, head_blocks, q_stride0, q_stride1,
                          k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2, table_stride,
                          HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -37,6 +41,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
     q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
 
     context = tl.load(lens_ptr + seq)
+    split_tokens = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, context)
     dv = tl.arange(0, BLOCK_DV)
@@ -87,7 +92,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, out_st
         acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
         weight_sum = weight_sum * alpha + tl.sum(w, axis=0)
         m = m_new
-    tl.store(out_ptr + seq * out_stride0 + head * out_stride1 + dv, (acc / weight_sum).to(out_ptr.dtype.element_ty),
+    out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)  # no split had a token: acc is 0, the row is 0
+    tl.store(out_ptr + seq * out_stride0 + head * out_stride1 + dv, out.to(out_ptr.dtype.element_ty),
              mask=dv < V_DIM)
 
 
@@ -100,7 +106,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                            v_head_dim: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
-    SM count) sets how many slices of the block-table capacity run in parallel per sequence."""
+    SM count) sets how many slices of each sequence's context run in parallel."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     v_dim = v_head_dim if v_cache is None else v_cache.shape[3]
@@ -117,15 +123,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     capacity = block_tables.shape[1] * page
     if num_splits is None:
         programs = batch * num_kv_heads * head_blocks
-        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), triton.cdiv(capacity, 2 * block_n)))
-    split_tokens = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(capacity, split_tokens)
+        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), triton.cdiv(capacity, block_n)))
 
     part_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, values, block_tables, context_lens, part_out, part_lse, softmax_scale * _LOG2E,
-        num_heads, group, head_blocks, split_tokens, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        num_heads, group, head_blocks, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *values.stride()[:3], block_tables.stride(0),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
