@@ -1,4 +1,4 @@
-"""``python -m gates list | show NN | run [...] | status``; see ``--help``."""
+"""``python -m gates list | show NN | run [...] | status | audit | diff OLD NEW``; see ``--help``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from gates import audit, report
+from gates import audit, diff, report
 from gates.execute import pytest_command
 from gates.phases import defines_test, discover, has_tests, test_files, topological_order
 from gates.runner import Options, exit_code, run_gates
@@ -58,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--catalogue", type=Path, help="mutation directory (default: ROOT/gates/mutations)")
     a.add_argument("--report", type=Path, help="JSON report path (default: ROOT/build/audit-report.json)")
     a.add_argument("--list", action="store_true", help="list the selected mutations, run nothing")
+    d = sub.add_parser("diff", help="what changed between two gate reports: phase statuses, flipped tests, "
+                                    "slower runs, benchmark figures (exit 1 if something regressed)")
+    d.add_argument("old", type=Path, help="the earlier report (JSON)")
+    d.add_argument("new", type=Path, help="the later report (JSON)")
+    d.add_argument("--tolerance", type=float, default=None,
+                   help="benchmark figures: relative worsening allowed (default: the one recorded in NEW, "
+                        f"else {diff.DEFAULT_TOLERANCE})")
+    d.add_argument("--slower", type=float, default=diff.DEFAULT_SLOWER,
+                   help=f"a run slower by more than this fraction (and {diff.MIN_SLOWER_S:g} s) regressed "
+                        "(default: %(default)s)")
     return p
 
 
@@ -175,7 +185,8 @@ def cmd_audit(root: Path, args, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 all passed or skipped, 1 a phase
-    failed or was blocked, 2 a bad tree, gate file or selection)."""
+    failed or was blocked, 2 a bad tree, gate file or selection). ``diff``: 0 nothing
+    regressed, 1 something did (``gates.diff``), 2 a missing or unreadable report."""
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     root = args.root.resolve()
@@ -189,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "audit":
             return cmd_audit(root, args, argv)
+        if args.command == "diff":
+            text, regressed = diff.diff(report.read_report(args.old), report.read_report(args.new),
+                                        args.tolerance, args.slower)
+            print(text)
+            return int(regressed)
         return cmd_run(root, args, argv)
     except GateError as e:
         print(f"error: {e}", file=sys.stderr)

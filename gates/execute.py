@@ -31,7 +31,8 @@ PYTEST_NO_TESTS = 5
 @dataclass
 class RunResult:
     """The outcome of one subprocess. ``status``: passed | failed | empty (no
-    test ran) | skipped (a requirement is absent; ``reason`` says which)."""
+    test ran) | skipped (a requirement is absent; ``reason`` says which). ``test_results``:
+    every test's nodeid, outcome, duration_s (and properties it recorded)."""
     mode: str
     nproc: int
     tests: tuple[str, ...]
@@ -42,6 +43,7 @@ class RunResult:
     duration_s: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEY.values(), 0))
     failing: list[dict] = field(default_factory=list)
+    test_results: list[dict] = field(default_factory=list)
     ranks: list[dict] = field(default_factory=list)
     output_tail: str = ""
 
@@ -151,6 +153,8 @@ def execute(run: Run, nproc: int, root: Path) -> RunResult:
     merged, result.ranks = merge_ranks(rank_files)
     for t in merged.values():
         result.counts[COUNT_KEY[t["outcome"]]] += 1
+    result.test_results = [{k: t[k] for k in ("nodeid", "outcome", "duration_s", "properties") if k in t}
+                           for t in merged.values()]
     result.failing = [{"nodeid": t["nodeid"], "outcome": t["outcome"], "ranks": t["ranks"],
                        "message": t["message"]}
                       for t in merged.values() if t["outcome"] in ("failed", "error")]

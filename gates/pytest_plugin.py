@@ -3,7 +3,9 @@
 When ``GATES_RESULT_DIR`` is set it writes ``rank{RANK or 0}.json`` there at the
 end of the session: ``{"rank", "exitstatus", "tests": [{"nodeid", "outcome",
 "duration_s", "message"}]}`` with outcome one of passed / failed / skipped /
-error (setup, teardown or collection errors). Without the variable it records nothing.
+error (setup, teardown or collection errors), and ``"properties"`` where a test called
+``record_property`` (the performance gate records its benchmark figures so). Without the
+variable it records nothing.
 
 Under torchrun (WORLD_SIZE > 1) a failing test aborts its rank at once: the
 rank writes its file, prints the error and exits, and torchrun stops the other
@@ -27,10 +29,12 @@ def _message(report) -> str:
     return text[-MESSAGE_CHARS:]
 
 
-def _record(nodeid: str, outcome: str, duration: float, message: str = "") -> None:
+def _record(nodeid: str, outcome: str, duration: float, message: str = "", properties=()) -> None:
     entry = _tests.setdefault(nodeid, {"nodeid": nodeid, "outcome": "passed",
                                        "duration_s": 0.0, "message": ""})
     entry["duration_s"] += duration
+    if properties:
+        entry["properties"] = dict(properties)
     if outcome == "skipped" and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
     elif outcome in ("failed", "error") and entry["outcome"] not in ("failed", "error"):
@@ -48,7 +52,7 @@ def _write(exitstatus: int) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(payload, indent=1))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(payload, indent=1, default=str))
 
 
 def _abort_rank(report) -> None:
@@ -67,13 +71,13 @@ def _abort_rank(report) -> None:
 def pytest_runtest_logreport(report) -> None:
     if report.failed:
         _record(report.nodeid, "failed" if report.when == "call" else "error",
-                report.duration, _message(report))
+                report.duration, _message(report), report.user_properties)
         if _in_torchrun() and os.environ.get("GATES_ABORT_ON_FAILURE", "1") != "0":
             _abort_rank(report)
     elif report.skipped:
         _record(report.nodeid, "skipped", report.duration)
     else:
-        _record(report.nodeid, "passed", report.duration)
+        _record(report.nodeid, "passed", report.duration, properties=report.user_properties)
 
 
 def pytest_collectreport(report) -> None:

@@ -1,0 +1,99 @@
+"""``python -m gates diff`` on two reports recorded by real gate runs of one temporary tree.
+
+Between the runs one test flips from passing to failing and one recorded benchmark figure
+drops by 20 % (another moves within the tolerance), so the diff must name both as
+regressions and exit 1; a report against itself has no regression.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from gate_trees import gate, write_phase
+from gates.cli import main
+
+PERF = """
+import json
+from pathlib import Path
+
+STATE = json.loads((Path(__file__).parent / "state.json").read_text())
+
+
+def test_stable():
+    pass
+
+
+def test_flips():
+    assert STATE["ok"], "the state file says fail"
+
+
+def test_bench(record_property):
+    record_property("figures", {
+        "decode_tok_s": {"value": STATE["tok_s"], "unit": "tok/s", "higher_is_better": True},
+        "host_us_per_step": {"value": STATE["host_us"], "unit": "us", "higher_is_better": False}})
+    record_property("figure_tolerance", 0.1)
+"""
+
+
+def gates_cli(*args: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(list(args))
+    return code, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """(old, new) report paths: the tree run with its first state, then with its second."""
+    root = tmp_path_factory.mktemp("tree")
+    phase = write_phase(root, "01", gate("01"), {"test_perf.py": PERF})
+    paths = []
+    for name, state in (("old", {"ok": True, "tok_s": 100.0, "host_us": 500.0}),
+                        ("new", {"ok": False, "tok_s": 80.0, "host_us": 520.0})):
+        (phase / "state.json").write_text(json.dumps(state))
+        paths.append(root / f"{name}.json")
+        gates_cli("--root", str(root), "run", "--report", str(paths[-1]))
+    return paths
+
+
+def test_reports_record_every_test_and_the_figures(reports):
+    run = json.loads(reports[0].read_text())["phases"][0]["runs"][0]
+    outcomes = {t["nodeid"].rsplit("::", 1)[1]: t["outcome"] for t in run["test_results"]}
+    assert outcomes == {"test_stable": "passed", "test_flips": "passed", "test_bench": "passed"}
+    bench = next(t for t in run["test_results"] if t["nodeid"].endswith("test_bench"))
+    assert bench["properties"]["figures"]["decode_tok_s"]["value"] == 100.0
+
+
+def test_diff_names_the_flipped_test_and_the_slowed_figure(reports):
+    code, out = gates_cli("diff", *map(str, reports))
+    assert code == 1, out
+    lines = out.splitlines()
+    assert "  01: PASS -> FAIL  REGRESSION" in lines
+    assert "  phases/01_p/test_perf.py::test_flips: passed -> failed  REGRESSION" in lines
+    assert "  decode_tok_s: 100 -> 80 tok/s (-20.0%)  REGRESSION" in lines
+    assert "  host_us_per_step: 500 -> 520 us (+4.0%)" in lines  # worse, but within 10 %
+    assert not any("test_stable" in line or "test_bench" in line for line in lines)
+    assert "3 regression(s)" in out
+
+
+def test_diff_tolerance_option_and_a_report_against_itself(reports):
+    assert gates_cli("diff", str(reports[0]), str(reports[0]))[0] == 0
+    _, out = gates_cli("diff", "--tolerance", "0.01", *map(str, reports))
+    assert "  host_us_per_step: 500 -> 520 us (+4.0%)  REGRESSION" in out.splitlines()
+
+
+def test_diff_flags_a_slower_run(reports, tmp_path):
+    data = json.loads(reports[0].read_text())
+    data["phases"][0]["runs"][0]["duration_s"] += 60.0
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps(data))
+    code, out = gates_cli("diff", str(reports[0]), str(slower))
+    assert code == 1 and "01 single phases/01_p:" in out and "REGRESSION" in out, out
+
+
+def test_diff_of_a_missing_report_is_an_error(reports, tmp_path, capsys):
+    assert main(["diff", str(reports[0]), str(tmp_path / "absent.json")]) == 2
+    assert "no report at" in capsys.readouterr().err
