@@ -5,7 +5,8 @@ A block whose tokens are all known and computed is identified by a chain hash of
 its tokens and every token before it, so a later prompt with the same prefix
 reuses the block (reference counted) instead of recomputing it. Partially filled
 blocks are never shared. A block's hash becomes findable only once its K/V is
-written (``publish``, called after the step that computed it), so a failed or
+written (``publish``, called after the step that computed it, for the tokens computed
+so far: a prompt prefilled in chunks publishes block by block), so a failed or
 aborted forward never leaves a hash pointing at K/V that does not exist. Freed
 blocks keep their hash, and so stay reusable, until they are handed out again;
 the least recently freed block is handed out first.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -32,8 +34,8 @@ def chain_hash(prefix_hash: bytes, token_ids: list[int]) -> bytes:
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` tokens and every sequence's block table.
 
-    ``ref_counts[i]`` is the number of sequences holding block ``i``. There is no
-    preemption: callers ask ``can_allocate`` / ``can_append`` first.
+    ``ref_counts[i]`` is the number of sequences holding block ``i``. Callers ask
+    ``can_allocate`` / ``can_append`` first; preempting a sequence is ``free``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -45,7 +47,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        self._unpublished: dict[str, list[int]] = {}  # request id -> its hashed blocks whose K/V is not yet written
+        # request id -> table indices (ascending) of its hashed blocks whose K/V is not yet published
+        self._unpublished: dict[str, list[int]] = {}
         self._last_hashes: tuple[Sequence | None, int, list[bytes]] = (None, 0, [])
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -87,7 +90,7 @@ class BlockManager:
         for i in range(len(hits), self.blocks_for(seq.num_tokens)):
             table.append(self._take_free_block())
             if i < len(hashes):
-                self._record_hash(seq, table[-1], hashes[i])
+                self._record_hash(seq, i, table[-1], hashes[i])
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
 
@@ -112,20 +115,30 @@ class BlockManager:
         if self.enable_prefix_caching and pos % self.block_size == self.block_size - 1:
             prefix_hash = self._block_hash[table[-2]] if len(table) > 1 else b""
             start = pos + 1 - self.block_size
-            self._record_hash(seq, table[-1], chain_hash(prefix_hash, seq.token_ids[start:pos + 1]))
+            self._record_hash(seq, len(table) - 1, table[-1], chain_hash(prefix_hash, seq.token_ids[start:pos + 1]))
 
-    def publish(self, seq: Sequence) -> None:
-        """The K/V of every token ``seq``'s blocks were allocated for is now written: its
-        hashed blocks become prefix-cache hits for later sequences."""
-        for block_id in self._unpublished.pop(seq.request_id, ()):
+    def publish(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The K/V of ``seq``'s first ``num_computed_tokens`` tokens is written: its hashed
+        blocks within them become prefix-cache hits for later sequences (the rest stay
+        unpublished until a later call covers them)."""
+        pending = self._unpublished.get(seq.request_id)
+        if not pending:
+            return
+        done = bisect_left(pending, num_computed_tokens // self.block_size)
+        for i in pending[:done]:
+            block_id = seq.block_table[i]
             self._hash_to_block[self._block_hash[block_id]] = block_id
+        if done == len(pending):
+            del self._unpublished[seq.request_id]
+        else:
+            del pending[:done]
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first; blocks reaching zero become free
         (and keep their hash if it was published; an unpublished hash is dropped).
         Clears ``seq.block_table`` and ``seq.num_cached_tokens``."""
-        for block_id in self._unpublished.pop(seq.request_id, ()):
-            self._block_hash[block_id] = None
+        for i in self._unpublished.pop(seq.request_id, ()):
+            self._block_hash[seq.block_table[i]] = None
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
@@ -174,6 +187,7 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _record_hash(self, seq: Sequence, block_id: int, h: bytes) -> None:
+    def _record_hash(self, seq: Sequence, index: int, block_id: int, h: bytes) -> None:
+        """Block ``block_id``, at ``index`` of ``seq``'s table, holds the tokens hashing to ``h``."""
         self._block_hash[block_id] = h
-        self._unpublished.setdefault(seq.request_id, []).append(block_id)
+        self._unpublished.setdefault(seq.request_id, []).append(index)

@@ -20,7 +20,11 @@ from engine.sequence import Sequence
 
 class HFModelRunner:
     """Same interface as ``ModelRunner``: ``run(seqs, is_prefill) -> list[int]``, ``release(seq)``,
-    ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``)."""
+    ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``).
+
+    Each step feeds a sequence its scheduled tokens (a whole prompt, a prefill chunk, or the
+    decode token) on top of its own transformers cache; ``release`` drops that cache, so a
+    preempted sequence starts again from its first token."""
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TPGroup,
                  block_size: int, max_num_seqs: int, max_model_len: int):
@@ -42,11 +46,9 @@ class HFModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         rows = []
         for seq in seqs:
-            rid = seq.request_id
-            if is_prefill:
-                ids, past = seq.token_ids, None
-            else:
-                ids, past = [seq.last_token_id], self._caches[rid]
+            rid, start = seq.request_id, seq.num_computed_tokens
+            ids = seq.token_ids[start:start + seq.num_scheduled_tokens]
+            past = self._caches[rid] if start else None
             out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True)
             self._caches[rid] = out.past_key_values
             rows.append(out.logits[0, -1])

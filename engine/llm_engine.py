@@ -131,6 +131,10 @@ class LLMEngine:
     ``max_model_len`` defaults to the model's ``max_position_embeddings``; ``max_num_seqs``
     to 256 on CUDA and 16 on CPU; ``dtype`` to float32 on CPU, else the checkpoint's half
     dtype (bfloat16 if none); ``device`` to ``cuda:LOCAL_RANK`` when CUDA is present.
+    ``admission``: "watermark" (default) admits a request when its prompt fits, preempting (and
+    later recomputing) the newest running requests when the cache runs out; "reserve" admits
+    one only when its worst case fits beside the running ones' and never preempts. A prompt
+    longer than ``max_num_batched_tokens`` is prefilled in chunks over several steps.
     On CUDA, decode replays CUDA graphs unless ``enforce_eager``. Under TP on CUDA the
     all-reduce uses the custom (symmetric-memory) path for small messages unless
     ``custom_all_reduce=False`` (NCCL only).
@@ -141,7 +145,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
-                 custom_all_reduce: bool = True):
+                 custom_all_reduce: bool = True, admission: str = "watermark"):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir)
         model_class = _model_class(config, inference_backend)
@@ -183,7 +187,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
         self.sampling_defaults = _sampling_defaults(generation_config)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, admission)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
         self._requests: dict[str, _Request] = {}
         self._finished_unreported: list[str] = []
@@ -268,6 +272,8 @@ class LLMEngine:
         """Run one scheduled batch (a prefill or a decode step) and return the requests that
         finished since the last step (rejected and aborted ones included)."""
         batch, is_prefill = self.scheduler.schedule()
+        for seq in self.scheduler.preempted:
+            self.runner.release(seq)
         if batch:
             try:
                 token_ids = self.runner.run(batch, is_prefill)
@@ -276,10 +282,11 @@ class LLMEngine:
                     self._finish_request(seq)
                 raise
             self.num_steps += 1
+            num_outputs = [seq.num_output_tokens for seq in batch]
             for seq in self.scheduler.postprocess(batch, is_prefill, token_ids):
                 self._finish_request(seq)
-            for seq in batch:
-                if seq.finish_reason != "abort":
+            for seq, before in zip(batch, num_outputs):
+                if seq.num_output_tokens > before:  # a prefill chunk short of the prompt's end adds none
                     self._emit_text(seq)
         elif self.scheduler.has_unfinished() and not self.scheduler.running:
             for seq in list(self.scheduler.waiting):  # nothing runs and nothing fits: never wait forever

@@ -142,7 +142,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished sequence's block-table row (no-op if it never ran)."""
+        """Forget a finished or preempted sequence's block-table row (no-op if it holds none);
+        a preempted sequence gets a fresh row, written from its new table, when it runs again."""
         row = self._row_of.pop(seq.request_id, None)
         if row is not None:
             self._free_rows.append(row)
@@ -179,22 +180,25 @@ class ModelRunner:
     def prepare_prefill(self, seqs: list[Sequence]):
         """(input_ids [T], positions [T], context, index of each sequence's last token [B]).
 
-        Prefix-cached prompt tokens are skipped; when any sequence has a cached prefix,
-        ``prefill_kv_slots`` lists the cache slots of every context token."""
-        cached = torch.tensor([s.num_cached_tokens for s in seqs], dtype=torch.int64)
-        lens = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)
+        Each sequence runs its scheduled chunk: ``num_scheduled_tokens`` tokens from
+        ``num_computed_tokens`` on; the tokens before it (prefix-cache hits, earlier chunks)
+        already have K/V. When any sequence has such a computed prefix, ``prefill_kv_slots``
+        lists the cache slots of every context token up to the chunk's end."""
+        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64)
+        q_lens = torch.tensor([s.num_scheduled_tokens for s in seqs], dtype=torch.int64)
+        lens = computed + q_lens
         rows = torch.tensor([self._row_of[s.request_id] for s in seqs], dtype=torch.int64)
-        q_lens = lens - cached
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
         cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
         num_tokens = int(cu_q[-1])
-        ids = torch.tensor(list(chain.from_iterable(s.token_ids[s.num_cached_tokens:] for s in seqs)),
-                           dtype=torch.int64)
-        positions = torch.arange(num_tokens) - torch.repeat_interleave(cu_q[:-1] - cached, q_lens)
+        ids = torch.tensor(list(chain.from_iterable(
+            s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens] for s in seqs)),
+            dtype=torch.int64)
+        positions = torch.arange(num_tokens) - torch.repeat_interleave(cu_q[:-1] - computed, q_lens)
         token_rows = torch.repeat_interleave(rows, q_lens)
         parts = [ids, positions, token_rows, cu_q, cu_k]
-        any_cached = bool(cached.any())
-        if any_cached:
+        any_computed = bool(computed.any())
+        if any_computed:
             context_positions = torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], lens)
             parts += [context_positions, torch.repeat_interleave(rows, lens)]
         sizes = [p.numel() for p in parts]
@@ -207,7 +211,7 @@ class ModelRunner:
             cu_seqlens_k=cu_k_d.to(torch.int32),
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(lens.max()),
-            prefill_kv_slots=self._slots(on_device[6], on_device[5]) if any_cached else None,
+            prefill_kv_slots=self._slots(on_device[6], on_device[5]) if any_computed else None,
         )
         return ids_d, positions_d, ctx, cu_q_d[1:] - 1
 

@@ -15,7 +15,9 @@ MAX_SEED = 2**63 - 1
 
 
 class SequenceStatus(enum.Enum):
-    """WAITING -> RUNNING_PREFILL -> RUNNING_DECODE -> FINISHED, or REJECTED at add time.
+    """WAITING -> RUNNING_PREFILL -> RUNNING_DECODE -> FINISHED, or REJECTED at add time;
+    RUNNING_DECODE -> WAITING when the scheduler preempts a sequence (it is recomputed).
+    A prefill of several chunks stays RUNNING_PREFILL until its last chunk has run.
     The scheduler assigns every transition explicitly."""
 
     WAITING = "waiting"
@@ -72,8 +74,12 @@ def _is_int(x) -> bool:
 class Sequence:
     """One request: prompt and output token ids, status, and the KV blocks it owns.
 
-    ``block_table`` and ``num_cached_tokens`` belong to the BlockManager;
-    ``status``, ``finish_reason`` and ``reject_reason`` to the Scheduler.
+    ``block_table`` and ``num_cached_tokens`` (prompt tokens found in the prefix cache at
+    allocation) belong to the BlockManager; ``status``, ``finish_reason``, ``reject_reason``,
+    ``num_computed_tokens`` (tokens whose K/V is in the cache once the in-flight step is
+    postprocessed, not counting that step) and ``num_scheduled_tokens`` (tokens the in-flight step
+    computes: ``token_ids[num_computed_tokens:num_computed_tokens + num_scheduled_tokens]``) to
+    the Scheduler.
     ``seed`` is the request's sampling seed, drawn on the host when none is given.
     """
 
@@ -95,6 +101,8 @@ class Sequence:
         self.reject_reason: str | None = None
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
 
     @property
     def token_ids(self) -> list[int]:

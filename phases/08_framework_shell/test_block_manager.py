@@ -21,8 +21,10 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / decode-append / free over shared prefixes, checked against a
-    KV model and reference counts recomputed from the live block tables."""
+    """Random allocate / prefill-chunk / decode-append / free over shared prefixes, checked
+    against a KV model and reference counts recomputed from the live block tables. A prompt's
+    K/V is computed in random chunks (chunked prefill), each published as it is written, so a
+    later prompt may only hit blocks whose K/V exists."""
 
     @initialize(num_blocks=st.integers(1, 20), block_size=st.sampled_from([1, 2, 4]))
     def setup(self, num_blocks, block_size):
@@ -49,17 +51,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(seq.block_table) == self.bm.blocks_for(len(prompt))
         assert seq.num_cached_tokens % size == 0 and seq.num_cached_tokens < len(prompt)
         for other in self.live:  # a live sequence's computed full blocks must be hit
-            shared_blocks = min(common_prefix_len(other.token_ids, prompt), len(prompt) - 1) // size
+            computed = other.token_ids[:other.num_computed_tokens]
+            shared_blocks = min(common_prefix_len(computed, prompt), len(prompt) - 1) // size
             assert seq.num_cached_tokens >= shared_blocks * size
-        self.kv.write(seq, seq.num_cached_tokens, len(prompt))
-        self.bm.publish(seq)  # the step that computed the prompt's K/V ends
+        seq.num_computed_tokens = seq.num_cached_tokens
         self.live.append(seq)
         self.history.append(list(prompt))
+        self.prefill_chunk(data, seq)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: any(s.num_computed_tokens < s.num_tokens for s in self.live))
+    @rule(data=st.data())
+    def prefill_chunk(self, data, seq=None):
+        """Compute the next chunk of a prompt and publish what is computed (the step ends)."""
+        if seq is None:
+            seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens < s.num_tokens]),
+                            label="prefilling seq")
+        end = data.draw(st.integers(seq.num_computed_tokens + 1, seq.num_tokens), label="chunk end")
+        self.kv.write(seq, seq.num_computed_tokens, end)
+        seq.num_computed_tokens = end
+        self.bm.publish(seq, end)
+
+    @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live))
     @rule(data=st.data(), token=TOKENS)
     def decode_append(self, data, token):
-        seq = data.draw(st.sampled_from(self.live), label="seq")
+        seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens == s.num_tokens]),
+                        label="seq")
         seq.output_token_ids.append(token)
         if not self.bm.can_append(seq):
             assert self.bm.num_free_blocks == 0
@@ -68,7 +84,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.append_slot(seq)
         self.kv.write(seq, seq.num_tokens - 1, seq.num_tokens)
-        self.bm.publish(seq)
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.publish(seq, seq.num_tokens)
         self.history.append(seq.token_ids)
 
     @precondition(lambda self: self.live)
@@ -97,7 +114,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live:
             assert len(set(seq.block_table)) == len(seq.block_table)
             assert len(seq.block_table) == self.bm.blocks_for(seq.num_tokens)
-            self.kv.check(seq, seq.num_tokens)
+            self.kv.check(seq, seq.num_computed_tokens)
             for i, b in enumerate(seq.block_table):
                 holders.setdefault(b, []).append((seq, i))
         for b, sharers in holders.items():
@@ -128,7 +145,7 @@ def test_prefix_hit_after_free_reuses_the_same_blocks():
     bm = BlockManager(num_blocks=8, block_size=4)
     first = Sequence(list(range(10)))
     bm.allocate(first)
-    bm.publish(first)
+    bm.publish(first, first.num_tokens)
     first_table = list(first.block_table)
     bm.free(first)
     second = Sequence(list(range(8)) + [42, 43, 44])
@@ -143,7 +160,7 @@ def test_live_prefix_is_shared_by_reference():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence(list(range(9))), Sequence(list(range(8)) + [7])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     free_before = bm.num_free_blocks
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
@@ -157,7 +174,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence(list(range(8))), Sequence(list(range(8)))
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
@@ -167,7 +184,7 @@ def test_partial_last_block_is_never_shared():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = Sequence([1, 2, 3, 4, 5, 6]), Sequence([1, 2, 3, 4, 5, 6, 7])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     assert b.block_table[1] != a.block_table[1]
@@ -178,7 +195,7 @@ def test_hash_covers_the_whole_prefix():
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b = Sequence([1, 2, 5, 6, 0]), Sequence([3, 4, 5, 6, 0])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
     assert chain_hash(b"", [1, 2]) != chain_hash(b"", [3, 4])
@@ -189,11 +206,11 @@ def test_blocks_filled_during_decode_are_cached():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Sequence([1, 2, 3])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     for token in [4, 5, 6, 7]:  # positions 3..6: block 0 fills at position 3
         a.output_token_ids.append(token)
         bm.append_slot(a)
-        bm.publish(a)
+        bm.publish(a, a.num_tokens)
     b = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
     assert bm.cached_prefix_len(b) == 4  # block 1 holds positions 4..6 only: not full, not cached
     bm.allocate(b)
@@ -205,7 +222,7 @@ def test_sampled_token_without_kv_is_never_cached():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = Sequence([1, 2, 3])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     a.output_token_ids.append(4)  # sampled, finished before a decode step computed it
     bm.free(a)
     assert bm.cached_prefix_len(Sequence([1, 2, 3, 4, 9])) == 0
@@ -215,9 +232,28 @@ def test_prefix_caching_can_be_turned_off():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     a, b = Sequence([1, 2, 3, 4, 5]), Sequence([1, 2, 3, 4, 5])
     bm.allocate(a)
-    bm.publish(a)
+    bm.publish(a, a.num_tokens)
     bm.allocate(b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+
+
+def test_publish_covers_only_the_computed_tokens():
+    """A prompt prefilled in chunks publishes block by block: a block becomes a hit only once
+    the chunk that completes its K/V has been published."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(list(range(13)))
+    bm.allocate(a)
+    bm.publish(a, 7)  # first chunk: positions 0..6, block 0 complete
+    assert bm.cached_prefix_len(Sequence(list(range(13)))) == 4
+    bm.publish(a, 12)  # second chunk: positions 7..11, block 2 complete
+    assert bm.cached_prefix_len(Sequence(list(range(13)))) == 12
+    bm.free(a)
+    assert bm.cached_prefix_len(Sequence(list(range(13)))) == 12  # published blocks stay hits once free
+    b = Sequence(list(range(20, 33)))
+    bm.allocate(b)
+    bm.publish(b, 5)
+    bm.free(b)  # freed before its second chunk ran: only block 0 was ever published
+    assert bm.cached_prefix_len(Sequence(list(range(20, 33)))) == 4
 
 
 def test_hashes_are_findable_only_once_published():
@@ -233,7 +269,7 @@ def test_hashes_are_findable_only_once_published():
     assert bm.cached_prefix_len(Sequence(list(range(13)))) == 0
     c = Sequence(list(range(9)))
     bm.allocate(c)
-    bm.publish(c)
+    bm.publish(c, c.num_tokens)
     assert bm.cached_prefix_len(Sequence(list(range(9)))) == 8
 
 

@@ -72,6 +72,7 @@ def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
 
     runner, seq = engine.runner, Sequence(ids, SamplingParams(max_tokens=1), request_id="held-out")
     engine.block_manager.allocate(seq)
+    seq.num_scheduled_tokens = len(ids)  # the whole prompt in one chunk
     try:
         runner._sync_block_tables([seq])
         input_ids, positions, ctx, _ = runner.prepare_prefill([seq])

@@ -145,11 +145,11 @@ def test_generate_terminates_when_nothing_can_run(engines, greedy):
     engine = engines["Qwen3ForCausalLM"]
     rid = engine.add_request([3, 4, 5], greedy)
     seq = engine._requests[rid].seq
-    engine.scheduler.max_num_batched_tokens = 2  # now it can never be admitted
+    engine.scheduler.max_num_seqs = 0  # now it can never be admitted
     try:
         out = [o for o in engine.step() if o.request_id == rid]
     finally:
-        engine.scheduler.max_num_batched_tokens = ENGINE_ARGS["max_num_batched_tokens"]
+        engine.scheduler.max_num_seqs = ENGINE_ARGS["max_num_seqs"]
     assert out and out[0].finish_reason == "rejected" and seq.is_finished
     assert not engine.has_unfinished_requests()
     assert_no_block_leaks(engine)
