@@ -6,6 +6,14 @@
 - ``tp_group``: the tensor-parallel group of this process (size 1 outside
   torchrun), with a short collective timeout; under torchrun a rank that fails
   a test aborts (``gates.pytest_plugin``), so no rank waits for it.
+- ``tp_device``: where the torchrun tests put their tensors, models and KV
+  caches: the CPU (gloo) by default; ``GATES_TORCHRUN_DEVICE=cuda`` puts them on
+  ``cuda:LOCAL_RANK``, so their collectives run over NCCL. One GPU per rank: a
+  machine with no GPU fails the torchrun tests with that message; one with fewer
+  GPUs than ranks skips them (the 4-rank runs of a 2-GPU host). Under it Triton's
+  float32 ``tl.dot`` is IEEE float32 (``TRITON_F32_DEFAULT=ieee``, unless set):
+  its default TF32 would put errors near 1e-3 into the float32 attention that the
+  TP tests compare with float32 HF (on the CPU) at the CPU tolerances.
 - ``tiny_checkpoint``: a factory writing a tiny HF-format checkpoint directory
   (``phases/checkpoints.py``)
   whose every weight (norms included) is random, from a seed.
@@ -32,6 +40,39 @@ if os.environ.get("GATES_AUDIT"):
     settings.load_profile("gates-audit")
 
 
+TORCHRUN_DEVICE_VAR = "GATES_TORCHRUN_DEVICE"
+IN_TORCHRUN = int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _switch() -> str:
+    return os.environ.get(TORCHRUN_DEVICE_VAR, "").strip().lower() or "cpu"
+
+
+if IN_TORCHRUN and _switch() == "cuda":
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # read when a kernel compiles; part of its cache key
+
+
+def torchrun_device() -> torch.device:
+    """This process's test device: ``cuda:LOCAL_RANK`` under torchrun with
+    ``GATES_TORCHRUN_DEVICE=cuda``, else the CPU. Fails the test (not a crash deep in
+    the process group) when the switch is on but this rank has no GPU of its own."""
+    kind = _switch()
+    if kind not in ("cpu", "cuda"):
+        pytest.fail(f"{TORCHRUN_DEVICE_VAR}={os.environ[TORCHRUN_DEVICE_VAR]!r}: expected cpu (the default, gloo) "
+                    f"or cuda (NCCL)", pytrace=False)
+    if kind == "cpu" or not IN_TORCHRUN:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.fail(f"{TORCHRUN_DEVICE_VAR}=cuda but torch.cuda.is_available() is False on this machine: "
+                    f"the torchrun tests cannot run on NCCL here (unset it to run them on the CPU with gloo)",
+                    pytrace=False)
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        pytest.fail(f"{TORCHRUN_DEVICE_VAR}=cuda needs one GPU per rank: LOCAL_RANK {local_rank} but only {count} "
+                    f"GPU(s) visible; run at most {count} ranks", pytrace=False)
+    return torch.device("cuda", local_rank)
+
+
 def pytest_configure(config):
     """Under torchrun every rank is a separate pytest: give each its own
     temporary-directory root so ranks never share or clean up each other's."""
@@ -44,11 +85,16 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tr = pytest.mark.skip(reason="runs only under torchrun (WORLD_SIZE > 1)")
+    world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count() if has_cuda else 0
+    too_few_gpus = in_torchrun and _switch() == "cuda" and 0 < gpus < world  # every rank sees the same: all skip
+    skip_gpus = pytest.mark.skip(reason=f"{TORCHRUN_DEVICE_VAR}=cuda: {world} ranks need {world} GPUs, {gpus} here")
     for item in items:
         if item.get_closest_marker("cuda") and not has_cuda:
             item.add_marker(skip_cuda)
         if item.get_closest_marker("torchrun") and not in_torchrun:
             item.add_marker(skip_tr)
+        if item.get_closest_marker("torchrun") and too_few_gpus:
+            item.add_marker(skip_gpus)
 
 
 # A collective that waits longer than this has lost a peer: fail in a minute, not the engine's 300 s
@@ -61,7 +107,15 @@ def tp_group():
     """This process's TP group; initialises gloo/NCCL once under torchrun, with a short collective timeout."""
     from engine.distributed import init_tp_distributed
 
+    torchrun_device()  # a bad GATES_TORCHRUN_DEVICE fails here, before a rank without a GPU joins the group
     return init_tp_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def tp_device(tp_group) -> torch.device:
+    """Where a torchrun test puts its tensors, model and KV cache: the CPU (collectives over
+    gloo), or ``cuda:LOCAL_RANK`` (NCCL) with ``GATES_TORCHRUN_DEVICE=cuda``."""
+    return torchrun_device()
 
 
 @pytest.fixture

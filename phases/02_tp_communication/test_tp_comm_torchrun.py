@@ -1,7 +1,10 @@
 """Phase 02 under torchrun (gloo on CPU, NCCL on CUDA): every collective against
-values each rank can compute for every other rank from shared seeds."""
+values each rank can compute for every other rank from shared seeds. The tensors
+live on ``tp_device``: the CPU by default, ``cuda:LOCAL_RANK`` with
+``GATES_TORCHRUN_DEVICE=cuda`` (conftest.py)."""
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.distributed import (
     all_gather_last_dim,
@@ -23,20 +26,20 @@ def rank_input(rank: int, shape, dtype=torch.float32) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 16)])
-def test_all_reduce_sum_equals_sum_of_rank_inputs(tp_group, shape, dtype):
-    x = rank_input(tp_group.rank, shape, dtype)
+def test_all_reduce_sum_equals_sum_of_rank_inputs(tp_group, tp_device, shape, dtype):
+    x = rank_input(tp_group.rank, shape, dtype).to(tp_device)
     before = x.clone()
     out = all_reduce_sum(x)
     expected = sum(rank_input(r, shape, dtype).double() for r in range(tp_group.size))
-    assert out.shape == x.shape and out.dtype == dtype
+    assert out.shape == x.shape and out.dtype == dtype and out.device == tp_device
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
-    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
     torch.testing.assert_close(x, before, rtol=0, atol=0)  # the input is not reduced in place
 
 
-def test_all_reduce_sum_makes_one_copy_only(tp_group):
+def test_all_reduce_sum_makes_one_copy_only(tp_group, tp_device):
     """The output buffer is the only copy (custom ops may not return their input)."""
-    x = rank_input(tp_group.rank, (4, 8))
+    x = rank_input(tp_group.rank, (4, 8)).to(tp_device)
     with torch.profiler.profile() as prof:
         all_reduce_sum(x)
     names = [e.name for e in prof.events()]
@@ -44,23 +47,43 @@ def test_all_reduce_sum_makes_one_copy_only(tp_group):
     assert names.count("aten::copy_") == 1
 
 
-def test_all_gather_last_dim_in_rank_order(tp_group):
-    x = rank_input(tp_group.rank, (2, 3, 4))
+def test_all_gather_last_dim_in_rank_order(tp_group, tp_device):
+    x = rank_input(tp_group.rank, (2, 3, 4)).to(tp_device)
     out = all_gather_last_dim(x)
     expected = torch.cat([rank_input(r, (2, 3, 4)) for r in range(tp_group.size)], dim=-1)
-    assert out.shape == (2, 3, 4 * tp_group.size)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert out.shape == (2, 3, 4 * tp_group.size) and out.device == tp_device
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("src", [0, -1], ids=["src-first", "src-last"])
-def test_broadcasts_deliver_the_source_rank_values(tp_group, src):
+def test_broadcasts_deliver_the_source_rank_values(tp_group, tp_device, src):
     src = src % tp_group.size
-    obj = broadcast_object({"rank": tp_group.rank, "ids": [tp_group.rank] * 3}, src=src)
+    obj = broadcast_object({"rank": tp_group.rank, "ids": [tp_group.rank] * 3}, src=src)  # gloo on purpose
     assert obj == {"rank": src, "ids": [src] * 3}
-    t = rank_input(tp_group.rank, (6,))
+    t = rank_input(tp_group.rank, (6,)).to(tp_device)
     out = broadcast_tensor(t, src=src)
     assert out is t
-    torch.testing.assert_close(t, rank_input(src, (6,)), rtol=0, atol=0)
+    torch.testing.assert_close(t.cpu(), rank_input(src, (6,)), rtol=0, atol=0)
+
+
+def test_collectives_on_the_test_device_use_its_backend(tp_group, tp_device, capsys):
+    """The torchrun tests' tensors reach the backend their device implies: gloo for the CPU
+    (the default), NCCL for ``cuda:LOCAL_RANK`` (``GATES_TORCHRUN_DEVICE=cuda``), seen in the
+    profiler's events; each rank prints what it used, so a run on NCCL shows in its output."""
+    backend = "nccl" if tp_device.type == "cuda" else "gloo"
+    assert f"{tp_device.type}:{backend}" in dist.get_backend_config(), dist.get_backend_config()
+    if tp_device.type == "cuda":
+        assert torch.cuda.current_device() == tp_device.index
+    x = rank_input(tp_group.rank, (16,)).to(tp_device)
+    with torch.profiler.profile() as prof:
+        dist.all_reduce(x)
+    names = sorted({e.name for e in prof.events() if backend in e.name.lower()})
+    assert names, f"no {backend} event in the profile of an all-reduce on {tp_device}"
+    expected = sum(rank_input(r, (16,)).double() for r in range(tp_group.size))
+    torch.testing.assert_close(x.double().cpu(), expected, rtol=1e-6, atol=1e-6)
+    with capsys.disabled():
+        print(f"rank {tp_group.rank}: torchrun tests on {tp_device}, all-reduce over {backend} "
+              f"({dist.get_backend_config()}; {', '.join(names[:2])})")
 
 
 def test_init_is_idempotent(tp_group):

@@ -1,6 +1,5 @@
-"""Under TP only rank 0 samples; every rank ends with rank 0's token ids."""
-import os
-
+"""Under TP only rank 0 samples; every rank ends with rank 0's token ids (on ``tp_device``:
+the CPU, or ``cuda:LOCAL_RANK`` with ``GATES_TORCHRUN_DEVICE=cuda``, where the broadcast is NCCL's)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,9 +18,9 @@ def rank_logits(rank: int) -> torch.Tensor:
 
 
 @pytest.mark.torchrun
-def test_every_rank_gets_rank0_tokens(tp_group, monkeypatch):
+def test_every_rank_gets_rank0_tokens(tp_group, tp_device, monkeypatch):
     assert tp_group.size > 1
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    device = tp_device
     rank = tp_group.rank
     temperatures = torch.where(torch.arange(ROWS) % 4 == 0, 0.0, 1.0)
     args = [t.to(device) for t in (

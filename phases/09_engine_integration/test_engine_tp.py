@@ -1,4 +1,6 @@
-"""LLMEngine under torchrun (gloo): every rank generates HF's greedy tokens; rank 0 samples."""
+"""LLMEngine under torchrun (float32 on ``tp_device``: the CPU with gloo, or ``cuda:LOCAL_RANK``
+with NCCL, CUDA graphs and the custom all-reduce under ``GATES_TORCHRUN_DEVICE=cuda``): every
+rank generates HF's greedy tokens; rank 0 samples."""
 import pytest
 import torch.distributed as dist
 
@@ -12,12 +14,13 @@ MAX_NEW = 10
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM"])
-def test_tp_greedy_matches_single_process(tp_group, tiny_checkpoint, arch, monkeypatch):
+def test_tp_greedy_matches_single_process(tp_group, tp_device, tiny_checkpoint, arch, monkeypatch):
     """Greedy tokens at TP = world size equal transformers' (single process, float32) in every
     rank, with queued requests and prefix hits; only rank 0 runs the sampling math."""
     assert tp_group.size > 1
     path = tiny_checkpoint(arch, seed=11)
-    engine = LLMEngine(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=96)
+    engine = LLMEngine(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=96,
+                       device=tp_device, dtype="float32")
     assert engine.tp.size == tp_group.size
     samples = []
     real = Sampler._sample

@@ -1,6 +1,7 @@
-"""The server under torchrun (gloo): rank 0 serves HTTP to a client in its own process, the
-other ranks mirror rank 0's broadcast commands, and every rank runs the same steps. A worker
-that never gets rank 0's stop fails its test within STOP_TIMEOUT_S instead of hanging."""
+"""The server under torchrun (float32 on ``tp_device``: the CPU with gloo, or ``cuda:LOCAL_RANK``
+with NCCL under ``GATES_TORCHRUN_DEVICE=cuda``): rank 0 serves HTTP to a client in its own
+process, the other ranks mirror rank 0's broadcast commands, and every rank runs the same steps.
+A worker that never gets rank 0's stop fails its test within STOP_TIMEOUT_S instead of hanging."""
 import argparse
 import asyncio
 import signal
@@ -46,12 +47,12 @@ def mirror_until_stopped(engine) -> None:
     assert not errors, errors
 
 
-def test_tp_server_ranks_stay_in_step(tp_group, model_dir, monkeypatch):
+def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatch):
     """Concurrent requests (streaming, JSON, one client leaving mid-stream) through a TP server
     get the greedy text each gets alone; every rank ran the same batches and tokens; every
     rank's KV blocks are free at the end."""
     assert tp_group.size > 1
-    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=8, max_model_len=96)
+    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=8, max_model_len=96, device=tp_device, dtype="float32")
     lengths = [3, 9, 5, 12, 7, 4]
     expected = [engine.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(PROMPTS, lengths)]
     trace = []
@@ -100,11 +101,11 @@ async def _clients(url: str, lengths: list[int]) -> list[str]:
         return texts
 
 
-def test_workers_exit_when_rank0_stops(tp_group, model_dir):
+def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
     """Worker ranks leave their loop when rank 0's engine loop fails (its finally sends the stop;
     the waiting request gets a 503 and the server ends) and when rank 0's ``serve`` fails before
     serving (the port is taken)."""
-    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=4, max_model_len=64)
+    engine = LLMEngine(model_dir, block_size=4, max_num_seqs=4, max_model_len=64, device=tp_device, dtype="float32")
     if tp_group.rank == 0:
         with running_server(engine) as running:
             def fail():
@@ -128,7 +129,8 @@ def test_workers_exit_when_rank0_stops(tp_group, model_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         args = parser.parse_args(["serve", "--model", str(model_dir), "--port", str(taken.getsockname()[1]),
-                                  "--block-size", "4", "--max-model-len", "64", "--max-num-seqs", "2"])
+                                  "--block-size", "4", "--max-model-len", "64", "--max-num-seqs", "2",
+                                  "--device", str(tp_device), "--dtype", "float32"])
         if tp_group.rank == 0:
             with pytest.raises(OSError):
                 serve(args)
