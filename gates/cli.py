@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-going", action="store_true", help="run dependents of failed phases too")
     run.add_argument("--mode", choices=("single", "torchrun", "all"), default="all")
     run.add_argument("--skip-empty", action="store_true", help="a phase with no tests yet is SKIP, not FAIL")
+    run.add_argument("--nproc", type=lambda t: tuple(int(x) for x in t.split(",") if x.strip()),
+                     help="torchrun runs only at these rank counts, e.g. 2 on a two-GPU host (default: every "
+                          "count a gate names)")
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
     status = sub.add_parser("status", help="the table of the last report")
     status.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
@@ -149,7 +152,7 @@ def cmd_show(root: Path, phase_id: str) -> int:
 
 def cmd_run(root: Path, args, argv: list[str]) -> int:
     options = Options(upto=args.upto, only=args.only, start=args.start, keep_going=args.keep_going,
-                      mode=args.mode, skip_empty=args.skip_empty)
+                      mode=args.mode, skip_empty=args.skip_empty, nproc=args.nproc)
     results = run_gates(root, options)
     code = exit_code(results)
     data = report.build_report(results, argv, code)

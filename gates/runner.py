@@ -28,6 +28,7 @@ class Options:
     keep_going: bool = False
     mode: str = "all"          # single | torchrun | all
     skip_empty: bool = False
+    nproc: tuple[int, ...] | None = None   # torchrun only at these rank counts (None: every count a gate names)
 
 
 @dataclass
@@ -110,9 +111,15 @@ def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
         result.reason = "eager-gate rule names no test: " + ", ".join(missing)
         return result
     for run in runs:
-        for nproc in run.nproc or (1,):
+        sizes = run.nproc or (1,)
+        if run.mode == "torchrun" and options.nproc is not None:
+            sizes = tuple(n for n in sizes if n in options.nproc)
+        for nproc in sizes:
             result.runs.append(_attempt(root, run, nproc))
             report.run_finished(result.runs[-1])
+    if not result.runs:
+        result.status, result.reason = SKIP, f"no runs at nproc {', '.join(map(str, options.nproc or ()))}"
+        return result
     skipped = [r for r in result.runs if r.status == "skipped"]
     empty = [r for r in result.runs if r.status == "empty"]
     failed = [r for r in result.runs if r.status == "failed"]

@@ -156,6 +156,20 @@ def test_torchrun_runs_a_gloo_all_reduce_in_every_rank(full):
     assert [(r["rank"], r["counts"]["passed"]) for r in run["ranks"]] == [(0, 1), (1, 1)]
 
 
+def test_nproc_option_keeps_only_those_torchrun_sizes(tmp_path):
+    """--nproc 2: a gate naming [2, 3] runs at 2 ranks only (its test asserts a world of 2, so
+    the 3-rank run would fail); a phase with no run at that size is SKIP."""
+    write_phase(tmp_path, "01", gate("01", runs=[{"mode": "torchrun", "nproc": [2, 3], "tests": ["phases/01_p"]}]),
+                {"test_tp.py": TORCHRUN_ALL_REDUCE})
+    write_phase(tmp_path, "02", gate("02", runs=[{"mode": "torchrun", "nproc": [4], "tests": ["phases/02_p"]}]),
+                {"test_tp.py": TORCHRUN_ALL_REDUCE})
+    code, _, report = run_cli(tmp_path, "--nproc", "2")
+    phases = by_id(report)
+    assert [(r["nproc"], r["status"]) for r in phases["01"]["runs"]] == [(2, "passed")]
+    assert phases["01"]["status"] == "PASS" and code == 0
+    assert phases["02"]["status"] == "SKIP" and phases["02"]["runs"] == []
+
+
 def test_a_test_failing_in_any_rank_fails_the_merged_result():
     def rank(r, outcome):
         return {"rank": r, "exitstatus": 0, "tests": [
