@@ -38,8 +38,12 @@ def gpu_kernel_us(trace_path: str | Path) -> float:
 def profile_decode(engine, rng: random.Random, trace_path: str | Path, prompt_len: int, steps: int,
                    batch: int = 1) -> dict:
     """Write a chrome trace of ``steps`` decode steps at ``batch`` sequences (after an untimed
-    prefill and one decode step) and check it; GPU kernel time per step from the trace."""
+    prefill and one decode step) and check it; GPU kernel time per step from the trace.
+    Under TP, rank r > 0 writes ``NAME.rank<r>.json`` beside ``trace_path``."""
     from torch.profiler import ProfilerActivity, profile
+
+    if engine.tp.rank > 0:
+        trace_path = Path(trace_path).with_suffix(f".rank{engine.tp.rank}.json")
 
     vocab = engine.config.vocab_size
     ids = [engine.add_request(random_prompt(rng, prompt_len, vocab), greedy(steps + 3), detokenize=False)
