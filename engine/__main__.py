@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from engine.bench import add_bench_command
+from engine.scheduler import ADMISSION_POLICIES
 from engine.server import add_serve_command
 
 
@@ -29,7 +30,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="most sequences running at once (default 256 on CUDA, 16 on CPU)")
     group.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                       help="most prompt tokens prefilled in one step (default 8192)")
+                       help="most prompt tokens prefilled in one step; longer prompts are prefilled in chunks "
+                            "(default 8192)")
+    group.add_argument("--admission", default=ADMISSION_POLICIES[0], choices=ADMISSION_POLICIES,
+                       help="watermark: start a request when its prompt fits the KV cache, preempting (and later "
+                            "recomputing) the newest requests when it runs out (default); reserve: start one only "
+                            "when its prompt + max_tokens fits beside every running request's, never preempting")
     group.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     group.add_argument("--mem-utilization", type=float, default=0.9,
                        help="fraction of the free device memory the KV cache may take (default 0.9)")
@@ -48,7 +54,8 @@ def build_engine(args: argparse.Namespace):
                      mem_utilization=args.mem_utilization, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
-                     enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce)
+                     enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce,
+                     admission=getattr(args, "admission", ADMISSION_POLICIES[0]))  # a hand-built Namespace may omit it
 
 
 def generate(args: argparse.Namespace) -> int:

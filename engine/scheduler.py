@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
-ADMISSION_POLICIES = ("watermark", "reserve")
+ADMISSION_POLICIES = ("watermark", "reserve")  # the first is the default
 
 
 class Scheduler:

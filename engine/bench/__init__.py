@@ -239,7 +239,7 @@ def run_serve(args: argparse.Namespace) -> dict:
 
 
 ENGINE_OPTIONS = ("backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "block_size", "mem_utilization")
+                  "block_size", "mem_utilization", "admission")
 
 
 def server_command(args: argparse.Namespace) -> list[str]:
