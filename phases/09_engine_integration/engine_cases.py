@@ -43,3 +43,18 @@ def assert_no_block_leaks(engine) -> None:
     assert not any(bm.ref_counts)
     rows = getattr(engine.runner, "_row_of", {})
     assert not rows, f"block-table rows still held by {sorted(rows)}"
+
+
+def shrink_kv_pool(engine, num_blocks: int) -> None:
+    """Let an idle ``engine`` schedule only the first ``num_blocks`` blocks of its KV pool (on
+    CPU the pool holds max_num_seqs x max_model_len tokens, so nothing would ever be preempted):
+    a new BlockManager, and a Scheduler with the same settings over it."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+
+    old = engine.scheduler
+    assert not old.has_unfinished() and num_blocks <= engine.runner.num_blocks
+    engine.block_manager = BlockManager(num_blocks, old.block_manager.block_size,
+                                        old.block_manager.enable_prefix_caching)
+    engine.scheduler = Scheduler(engine.block_manager, old.max_num_seqs, old.max_num_batched_tokens, old.max_model_len,
+                                 old.eos_token_ids, old.admission, old.watermark)

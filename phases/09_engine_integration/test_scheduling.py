@@ -1,0 +1,112 @@
+"""Scheduling for throughput, end to end against HF transformers' greedy generate (float32, CPU):
+preemption by recompute under watermark admission, chunked prefill, and the reserve policy."""
+import argparse
+
+import pytest
+
+from engine.__main__ import add_engine_arguments, build_engine
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix, shrink_kv_pool
+from phases.checkpoints import make_tiny_checkpoint
+
+MAX_NEW = 12
+ENGINE_ARGS = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+SMALL_POOL = 16  # blocks: the longest prompt + MAX_NEW needs 15, all nine together 118
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """{arch: (checkpoint, prompts, HF's greedy tokens)} for a Qwen3 and a DeepSeek-V3 (MLA) checkpoint."""
+    out = {}
+    for arch in ("Qwen3ForCausalLM", "DeepseekV3ForCausalLM"):
+        path = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=21)
+        prompts = prompts_with_shared_prefix(seed=8)
+        out[arch] = (path, prompts, hf_greedy(path, prompts, MAX_NEW))
+    return out
+
+
+def run(engine, prompts, steps=None):
+    """Greedy outputs of ``prompts`` submitted together; with ``steps`` given, appends the
+    (request ids, is_prefill) of every step the runner ran. The streamed text of every request
+    is checked against its decoded tokens (a prefill chunk that samples nothing adds no text)."""
+    if steps is not None:
+        real_run = engine.runner.run
+
+        def recording_run(seqs, is_prefill):
+            steps.append(([s.request_id for s in seqs], is_prefill))
+            return real_run(seqs, is_prefill)
+        engine.runner.run = recording_run
+    try:
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        if steps is not None:
+            del engine.runner.run
+    outs = [engine.pop_request(rid) for rid in ids]
+    for out in outs:
+        assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    return [out.token_ids for out in outs]
+
+
+def prefill_steps(steps, num_requests: int) -> list[int]:
+    """How many prefill steps each request (ids "0", "1", ... of a fresh engine) took part in."""
+    return [sum(str(i) in ids for ids, is_prefill in steps if is_prefill) for i in range(num_requests)]
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_preempted_sequences_recompute_hf_greedy(cases, arch):
+    """A pool far smaller than the requests' worst cases: watermark admission starts them on
+    their prompts, decode preempts the newest when blocks run out, and every recomputed
+    sequence still yields exactly HF's greedy tokens; no block or block-table row leaks."""
+    path, prompts, expected = cases[arch]
+    engine = LLMEngine(path, **ENGINE_ARGS)
+    shrink_kv_pool(engine, SMALL_POOL)
+    steps = []
+    assert run(engine, prompts, steps) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert max(prefill_steps(steps, len(prompts))) >= 2, "no request was prefilled again (recomputed)"
+    assert_no_block_leaks(engine)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_chunked_prefill_matches_hf_greedy(cases, arch):
+    """max_num_batched_tokens below most prompt lengths: long prompts are prefilled over several
+    steps (chunks attend to the K/V of the earlier ones and of prefix-cache hits) and the
+    tokens are HF's."""
+    path, prompts, expected = cases[arch]
+    engine = LLMEngine(path, **{**ENGINE_ARGS, "max_num_batched_tokens": 8})
+    steps = []
+    assert run(engine, prompts, steps) == expected
+    counts = prefill_steps(steps, len(prompts))
+    assert max(counts) >= 6, f"prompts of up to 47 tokens in chunks of at most 8: {counts}"
+    assert_no_block_leaks(engine)
+
+
+def test_chunked_prefill_and_preemption_on_the_hf_backend(cases):
+    """The hf backend (transformers' own per-sequence caches) runs prefill chunks on top of a
+    sequence's cache and restarts a preempted sequence from its first token."""
+    path, prompts, _ = cases["Qwen3ForCausalLM"]
+    engine = LLMEngine(path, inference_backend="hf", **{**ENGINE_ARGS, "max_num_batched_tokens": 16})
+    shrink_kv_pool(engine, SMALL_POOL)
+    assert run(engine, prompts[:6]) == cases["Qwen3ForCausalLM"][2][:6]
+    assert engine.scheduler.num_preemptions > 0
+    assert_no_block_leaks(engine)
+    assert not engine.runner._caches
+
+
+def test_reserve_admission_from_the_command_line(cases):
+    """``--admission reserve`` reaches the scheduler: on the same small pool requests wait for
+    their worst case instead, nothing is preempted, and the tokens are HF's."""
+    path, prompts, expected = cases["Qwen3ForCausalLM"]
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", str(path), "--device", "cpu", "--admission", "reserve", "--block-size", "4",
+                              "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"])
+    engine = build_engine(args)
+    assert engine.scheduler.admission == "reserve"
+    shrink_kv_pool(engine, SMALL_POOL)
+    assert run(engine, prompts) == expected
+    assert engine.scheduler.num_preemptions == 0
+    assert_no_block_leaks(engine)
