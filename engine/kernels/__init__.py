@@ -4,7 +4,7 @@ Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
 ``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
 needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
-error. Each backend module is the dispatch table: it defines the same seven functions.
+error. Each backend module is the dispatch table: it defines the same eight functions.
 The wrappers below check shapes only (never tensor values), so they add no host sync.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from engine.kernels.rope import get_cos_sin_cache
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-           "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention"]
+           "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv"]
 
 ENV_VAR = "AGENT_INFER_KERNELS"
 _MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
@@ -169,3 +169,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              lambda: "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
     return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
                                           v_head_dim)
+
+
+def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """``out[n] = weights[expert_ids[n]] @ x[n]``: a new ``[N, Nout]`` tensor in ``x``'s dtype
+    (float32 accumulation). ``x [N, K]``, ``weights [E, Nout, K]`` (stacked expert matrices,
+    read in place, never gathered), ``expert_ids [N]`` int64 in ``[0, E)``. For MoE steps with
+    few (token, expert) assignments, where copying each assignment's weights would cost more
+    than the product."""
+    _require(x.dim() == 2 and weights.dim() == 3 and weights.shape[2] == x.shape[1]
+             and expert_ids.shape == x.shape[:1],
+             lambda: f"expert_gemv: bad shapes x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
+             f"expert_ids {tuple(expert_ids.shape)}")
+    return _ops(x).expert_gemv(x, weights, expert_ids)

@@ -83,3 +83,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.einsum("bhgs,bshe->bhge", scores.softmax(-1), values.float())
     out.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)  # softmax over nothing: 0/0 -> a zero row
     return out.reshape(batch, num_heads, -1).to(q.dtype)
+
+
+def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    rows = torch.bmm(weights[expert_ids].float(), x.float()[:, :, None])[..., 0]
+    return rows.to(x.dtype)

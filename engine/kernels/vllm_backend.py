@@ -1,6 +1,7 @@
 """vllm / flash-attn backend: the seed's wrappers over ``vllm._custom_ops`` and ``flash_attn``.
 
-Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). Cases those libraries do not
+Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv`` has no
+vllm counterpart here and is Triton's. Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
 ``v_cache`` None), value head dims that differ from the query's, and paged
 blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum).
@@ -78,3 +79,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
                                   block_table=block_tables, softmax_scale=softmax_scale, causal=True)
     return out.squeeze(1)
+
+
+expert_gemv = triton_ops.expert_gemv

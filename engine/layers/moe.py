@@ -80,8 +80,8 @@ class RoutedExperts(nn.Module):
     with shard id ``(e, 0 | 1)``; ``owns_shard`` tells the loader which are this rank's.
 
     Tokens meet experts in one of three ways, by step size (shapes only, never values):
-    few assignments (``T * k <= E_local``, e.g. small decode batches): each assignment's
-    expert weights are gathered and applied in one batched GEMM; up to ``DENSE_MAX_TOKENS``
+    few assignments (``T * k <= E_local``, e.g. small decode batches): each assignment's row
+    meets its expert's weights where they lie (``kernels.expert_gemv``, no weight copy); up to ``DENSE_MAX_TOKENS``
     tokens: every local expert runs on every token and the routing weights (zero for
     experts not chosen) combine them — neither reads a value on the host; more tokens
     (prefill): assignments are sorted by expert and each active expert runs one GEMM on
@@ -143,12 +143,11 @@ class RoutedExperts(nn.Module):
         return act
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """One batched GEMM over the T * k assignments, each with its expert's weights."""
+        """The T * k assignments, each row times its expert's weights read in place (``expert_gemv``)."""
         experts = local.flatten()
-        tokens = torch.arange(experts.shape[0], device=x.device) // local.shape[1]
-        rows = x[tokens][:, :, None]                                              # [N, H, 1]
-        act = self._act(torch.bmm(self.gate_up_proj[experts], rows)[..., 0])      # [N, I]
-        y = torch.bmm(self.down_proj[experts], act[:, :, None])[..., 0]          # [N, H]
+        rows = x[torch.arange(experts.shape[0], device=x.device) // local.shape[1]]      # [N, H]
+        act = self._act(kernels.expert_gemv(rows, self.gate_up_proj, experts))             # [N, I]
+        y = kernels.expert_gemv(act, self.down_proj, experts)                              # [N, H]
         return (y.view(*local.shape, -1) * weights[..., None]).sum(dim=1)
 
     def _dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,7 @@ def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):
     lens = torch.full((tokens,), 4, dtype=torch.int32, device=device)
     cu = torch.arange(tokens + 1, device=device, dtype=torch.int32)
     normed, activated = torch.empty_like(x), torch.empty(tokens, hidden // 2, device=device, dtype=dtype)
+    experts, expert_ids = rand(3, 48, hidden), torch.arange(tokens, device=device) % 3
     return {
         "rms_norm": lambda: K.rms_norm(normed, x, weight, 1e-6),
         "fused_add_rms_norm": lambda: K.fused_add_rms_norm(x, residual, weight, 1e-6),
@@ -129,6 +130,7 @@ def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):
         "store_kv_cache": lambda: K.store_kv_cache(k, v, k_cache, v_cache, slots),
         "paged_decode_attention": lambda: K.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125),
         "varlen_attention": lambda: K.varlen_attention(q, k, v, cu, cu, 1, 1, 0.125),
+        "expert_gemv": lambda: K.expert_gemv(x, experts, expert_ids),
     }
 
 

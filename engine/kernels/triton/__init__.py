@@ -1,10 +1,11 @@
 """Triton backend (the CUDA default): one module per kernel family, same op names as the reference."""
 from engine.kernels.triton.activation import silu_and_mul
 from engine.kernels.triton.decode_attention import paged_decode_attention
+from engine.kernels.triton.expert_gemv import expert_gemv
 from engine.kernels.triton.kv_store import store_kv_cache
 from engine.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from engine.kernels.triton.prefill_attention import varlen_attention
 from engine.kernels.triton.rotary import rotary_embedding
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv_cache",
-           "varlen_attention", "paged_decode_attention"]
+           "varlen_attention", "paged_decode_attention", "expert_gemv"]
