@@ -4,7 +4,7 @@ Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
 ``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
 needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
-error. Each backend module is the dispatch table: it defines the same eight functions.
+error. Each backend module is the dispatch table: it defines the same nine functions.
 The wrappers below check shapes only (never tensor values), so they add no host sync.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from engine.kernels.rope import get_cos_sin_cache
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-           "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv"]
+           "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
+           "qk_norm_rope_store"]
 
 ENV_VAR = "AGENT_INFER_KERNELS"
 _MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
@@ -182,3 +183,26 @@ def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
              lambda: f"expert_gemv: bad shapes x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
              f"expert_ids {tuple(expert_ids.shape)}")
     return _ops(x).expert_gemv(x, weights, expert_ids)
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Qwen's attention prologue, in place: ``q [T, Hq, D]`` and ``k [T, Hk, D]`` get per-head
+    RMSNorm with ``q_weight`` / ``k_weight [D]`` (both None: no norm, Qwen2) and then neox RoPE
+    by ``positions [T]`` over all D channels (``cos_sin_cache [max_pos, D]``); the rotated K
+    and ``v [T, Hk, D]`` go to the caches ``[num_blocks, block_size, Hk, D]`` at
+    ``slot_mapping [T]`` (int64; -1 skipped). Same result as ``rms_norm`` x2, ``rotary_embedding``
+    and ``store_kv_cache`` in turn, in one launch on CUDA."""
+    tokens, _, head_dim = q.shape
+    _require(q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and k.shape[0] == tokens == positions.shape[0]
+             and k.shape[2] == head_dim and cos_sin_cache.shape[1] == head_dim
+             and k_cache.shape[2:] == v_cache.shape[2:] == k.shape[1:] and slot_mapping.shape == (tokens,),
+             lambda: f"qk_norm_rope_store: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+             f"cos_sin_cache {tuple(cos_sin_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    _require((q_weight is None) == (k_weight is None)
+             and (q_weight is None or q_weight.shape == k_weight.shape == (head_dim,)),
+             lambda: "qk_norm_rope_store: q_weight and k_weight are both [D] or both None")
+    _ops(q).qk_norm_rope_store(positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache,
+                               slot_mapping)

@@ -88,3 +88,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     rows = torch.bmm(weights[expert_ids].float(), x.float()[:, :, None])[..., 0]
     return rows.to(x.dtype)
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    if q_weight is not None:
+        rms_norm(q, q, q_weight, eps)
+        rms_norm(k, k, k_weight, eps)
+    rotary_embedding(positions, q, k, q.shape[-1], cos_sin_cache, True)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -26,11 +26,18 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = None  # [num_blocks, block_size, Hk, D], bound by kv_cache.bind_kv_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_context()
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound (k_cache, v_cache); a clear error when none is bound."""
         if self.k_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; call engine.kv_cache.bind_kv_cache first")
-        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.k_cache, self.v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """``kv_stored``: the caller already wrote this step's K/V to ``caches()`` (a fused prologue)."""
+        ctx = get_context()
+        k_cache, v_cache = self.caches()
+        if not kv_stored:
+            kernels.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             if ctx.prefill_kv_slots is not None:
                 k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)

@@ -29,9 +29,3 @@ class RMSNorm(nn.Module):
             return out, x
         kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
-
-    def normalize_(self, x: torch.Tensor) -> torch.Tensor:
-        """``x = rms_norm(x) * weight`` in place (e.g. per-head q/k views of a fused QKV output:
-        no new tensor on the decode path); returns ``x``."""
-        kernels.rms_norm(x, x, self.weight, self.eps)
-        return x

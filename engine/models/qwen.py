@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.attention_context import get_context
 from engine.config import ModelConfig
 from engine.distributed import TPGroup, get_tp_group
 from engine.layers.attention import Attention
@@ -15,8 +16,9 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class QwenAttention(nn.Module):
-    """hidden [T, H] -> [T, H]: one QKV GEMM, (Qwen3) per-head q/k RMSNorm,
-    neox RoPE, paged attention, o_proj with one all-reduce."""
+    """hidden [T, H] -> [T, H]: one QKV GEMM; (Qwen3) per-head q/k RMSNorm, neox RoPE and the
+    K/V cache write in one op (``kernels.qk_norm_rope_store``); paged attention; o_proj with
+    one all-reduce."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -38,11 +40,11 @@ class QwenAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, d)
         k = k.reshape(-1, self.num_kv_heads, d)
         v = v.reshape(-1, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            self.q_norm.normalize_(q)
-            self.k_norm.normalize_(k)
-        self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)
+        k_cache, v_cache = self.attn.caches()
+        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        kernels.qk_norm_rope_store(positions, q, k, v, *norms, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
+                                   get_context().slot_mapping)
+        out = self.attn(q, k, v, kv_stored=True)
         return self.o_proj(out.flatten(1))
 
 

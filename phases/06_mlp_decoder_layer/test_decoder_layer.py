@@ -109,6 +109,12 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
             seen.append((_name, id(weight)))
             return _real(*args)
         monkeypatch.setattr(kernels, name, spy)
+    real_prologue = kernels.qk_norm_rope_store
+
+    def prologue_spy(*args):
+        seen.extend([("q_norm", id(args[4])), ("k_norm", id(args[5]))])
+        return real_prologue(*args)
+    monkeypatch.setattr(kernels, "qk_norm_rope_store", prologue_spy)
     bind_kv_cache(model, 2, 16, torch.float32, "cpu")
     from engine.attention_context import prefill_context, reset_context, set_context
     positions, ctx = prefill_context([5], [0], [[0]], 16, "cpu")
@@ -120,7 +126,7 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         expected += [("rms_norm" if i == 0 else "fused_add_rms_norm", id(layer.input_layernorm.weight)),
-                     ("rms_norm", id(attn.q_norm.weight)), ("rms_norm", id(attn.k_norm.weight)),
+                     ("q_norm", id(attn.q_norm.weight)), ("k_norm", id(attn.k_norm.weight)),
                      ("fused_add_rms_norm", id(layer.post_attention_layernorm.weight))]
     expected.append(("fused_add_rms_norm", id(model.model.norm.weight)))
     assert seen == expected
