@@ -55,7 +55,7 @@ def build_engine(args: argparse.Namespace):
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce,
-                     admission=getattr(args, "admission", ADMISSION_POLICIES[0]))  # a hand-built Namespace may omit it
+                     admission=args.admission)
 
 
 def generate(args: argparse.Namespace) -> int:
