@@ -11,9 +11,13 @@
 #
 #   bash scripts/gpu_phase11.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" build
+if ls .whl/*.whl > /dev/null 2>&1; then  # the openai client (phase 10's server tests), absent from the GPU image
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 lane0() {
     export CUDA_VISIBLE_DEVICES=0
