@@ -62,10 +62,10 @@ def graph_ms(fn, repeats: int) -> float:
 
 
 def copy_gb_s(repeats: int) -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(1 << 28, dtype=torch.float64, device="cuda")  # 2 GiB in 8-byte words
     dst = torch.empty_like(src)
     ms = graph_ms(lambda: dst.copy_(src), repeats)
-    return 2 * src.numel() / ms / 1e6
+    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def main() -> int:

@@ -345,7 +345,7 @@ def test_bench_modes_on_cuda(capsys, tmp_path):
     tiny = ["--preset", "tiny-qwen3", "--random-weights"]
     cuda = [*tiny, "--device", "cuda"]
     latency = bench(capsys, "latency", *cuda, "--max-model-len", 256, "--prompt-lens", "16,128,4096",
-                    "--decode-tokens", 32, "--decode-prompt-len", 16, "--compare", "hf",
+                    "--decode-tokens", 32, "--decode-prompt-len", 16, "--compare", "hf", "--enforce-eager",
                     "--profile", tmp_path / "trace.json")
     check_common(latency, "latency", "cuda")
     split = latency["step_split"]
