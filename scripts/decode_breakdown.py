@@ -74,8 +74,8 @@ def main() -> int:
             "preset": args.preset, "engine_ms_per_step": step_ms, "replay_gpu_ms": replay,
             "host_ms_per_step_outside_replay": step_ms - replay, "kernels_in_one_replay": sum(counts.values()),
             "kernel_us_sum": total,
-            "top_kernels": [{"name": n, "count": counts[n], "us": round(us, 1), "share": round(us / max(total, 1e-9), 3)}
-                            for n, us in top]}))
+            "top_kernels": [{"name": n, "count": counts[n], "us": round(us, 1),
+                             "share": round(us / max(total, 1e-9), 3)} for n, us in top]}))
     return 0
 
 

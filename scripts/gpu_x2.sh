@@ -3,7 +3,8 @@
 # as the machine sets them). Two device calls, each under 10 minutes:
 #
 #   bash scripts/gpu_x2.sh gates   # every 2-rank torchrun gate of phases 02-11 on NCCL
-#                                  # (GATES_TORCHRUN_DEVICE=cuda), the openai client included
+#                                  # (GATES_TORCHRUN_DEVICE=cuda), the openai client included;
+#                                  # then scripts/decode_breakdown.py for Qwen3-8B and V2-Lite
 #   bash scripts/gpu_x2.sh bench   # Qwen3-8B random at TP=1 vs TP=2: greedy tokens, weight
 #                                  # memory per rank, B=1 decode eager/graphs x custom AR/NCCL,
 #                                  # the all-reduce's share of an eager step, offline throughput;
@@ -28,6 +29,13 @@ gates() {
     echo "gates rc=$?"
     grep -E "^(0[0-9]|1[01]) " "$OUT/gates.log" | tail -12
     grep -E "FAILED|Error|all-reduce over" "$OUT/gates.log" | head -20
+    # one GPU each: where a graphed B=1 decode step goes (engine step vs replay, kernels of a replay)
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/decode_breakdown.py --preset qwen3-8b --max-model-len 4160 \
+        --max-num-seqs 1 > "$OUT/breakdown_qwen3.json" 2> "$OUT/breakdown.log" &
+    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 scripts/decode_breakdown.py --preset deepseek-v2-lite \
+        --max-model-len 2048 --max-num-seqs 1 > "$OUT/breakdown_dsv2.json" 2>> "$OUT/breakdown.log" &
+    wait
+    cat "$OUT/breakdown_qwen3.json" "$OUT/breakdown_dsv2.json"; tail -3 "$OUT/breakdown.log"
 }
 
 latency() {  # latency NAME [extra options...]: B=1 decode figures of the Qwen3-8B preset
