@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # Issue 13 on a two-GPU host (NCCL; NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# as the machine sets them). Two device calls, each under 10 minutes:
+# as the machine sets them), in sections run in the order given, each skipped (with a line
+# saying so) when fewer than its estimated seconds are left of BUDGET_S (default 570):
 #
-#   bash scripts/gpu_x2.sh gates   # every 2-rank torchrun gate of phases 02-11 on NCCL
-#                                  # (GATES_TORCHRUN_DEVICE=cuda), the openai client included;
-#                                  # then scripts/decode_breakdown.py for Qwen3-8B and V2-Lite
-#   bash scripts/gpu_x2.sh bench   # Qwen3-8B random at TP=1 vs TP=2: greedy tokens, weight
-#                                  # memory per rank, B=1 decode eager/graphs x custom AR/NCCL,
-#                                  # the all-reduce's share of an eager step, offline throughput;
-#                                  # DeepSeek-V2-Lite random at EP=1 vs EP=2: tokens, B=1 decode
+#   bash scripts/gpu_x2.sh gates breakdown tp1 summary   # one device call
+#   bash scripts/gpu_x2.sh tp2 ep2 summary               # the next
 #
-# The openai client travels as wheels in .whl/ (absent from the GPU image). JSON and logs: $OUT.
+#   gates      every 2-rank torchrun gate of phases 02-11 on NCCL (GATES_TORCHRUN_DEVICE=cuda),
+#              the openai client included
+#   breakdown  scripts/decode_breakdown.py for Qwen3-8B (GPU 0) and V2-Lite (GPU 1)
+#   tp1        Qwen3-8B random at TP=1 on GPU 0: greedy tokens, B=1 decode eager and graphed,
+#              offline throughput (nano-vllm's shape) against transformers eager; V2-Lite at EP=1
+#              on GPU 1: tokens, B=1 graphed decode
+#   tp2        the same Qwen3-8B runs at TP=2: tokens, B=1 decode eager/graphs x custom AR/NCCL,
+#              the all-reduce's share of an eager step (profiler), throughput
+#   ep2        V2-Lite at EP=2: tokens, B=1 graphed decode
+#   summary    compare tokens (first divergence, transformers' logit gap) and print every figure
+#
+# The openai client travels as wheels in .whl/ (absent from the GPU image). Every JSON and log is
+# written under $WORK (default /tmp/x2); `summary` puts them, merged, in $OUT/figures.json
+# (tokens left out) beside the gate report, its log and the token files (a device call returns
+# few files); token files put in ./x2_carry/ are copied to $WORK first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/x2}
+mkdir -p "$OUT" "$WORK"
+[ -d x2_carry ] && cp x2_carry/* "$WORK/"  # tokens of an earlier call (a fresh machine has none)
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -23,98 +35,133 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 
-gates() {
-    GATES_TORCHRUN_DEVICE=cuda timeout 540 python3 -m gates run --mode torchrun --from 02 --upto 11 --nproc 2 \
-        --report "$OUT/gate-torchrun-nccl.json" > "$OUT/gates.log" 2>&1
-    echo "gates rc=$?"
-    grep -E "^(0[0-9]|1[01]) " "$OUT/gates.log" | tail -12
-    grep -E "FAILED|Error|all-reduce over" "$OUT/gates.log" | head -20
-    # one GPU each: where a graphed B=1 decode step goes (engine step vs replay, kernels of a replay)
-    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/decode_breakdown.py --preset qwen3-8b --max-model-len 4160 \
-        --max-num-seqs 1 > "$OUT/breakdown_qwen3.json" 2> "$OUT/breakdown.log" &
-    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 scripts/decode_breakdown.py --preset deepseek-v2-lite \
-        --max-model-len 2048 --max-num-seqs 1 > "$OUT/breakdown_dsv2.json" 2>> "$OUT/breakdown.log" &
-    wait
-    cat "$OUT/breakdown_qwen3.json" "$OUT/breakdown_dsv2.json"; tail -3 "$OUT/breakdown.log"
+SECONDS=0
+fits() {  # fits EST NAME: true when EST seconds are left of the budget
+    if [ $(( ${BUDGET_S:-570} - SECONDS )) -lt "$1" ]; then echo "skip $2 ($SECONDS s used)"; return 1; fi
 }
 
-latency() {  # latency NAME [extra options...]: B=1 decode figures of the Qwen3-8B preset
+gates() {
+    fits 300 gates || return
+    GATES_TORCHRUN_DEVICE=cuda timeout $(( ${BUDGET_S:-570} - SECONDS - 10 )) python3 -m gates run --mode torchrun \
+        --from 02 --upto 11 --nproc 2 --report "$WORK/gate-torchrun-nccl.json" > "$WORK/gates.log" 2>&1
+    echo "gates rc=$? at $SECONDS s"
+    grep -E "^(0[0-9]|1[01]) " "$WORK/gates.log" | tail -12
+    grep -E "FAILED|Error|all-reduce over" "$WORK/gates.log" | head -20
+}
+
+breakdown() {  # one GPU each: a graphed B=1 decode step (engine step vs replay, kernels of a replay)
+    fits 100 breakdown || return
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/decode_breakdown.py --preset qwen3-8b --max-model-len 4160 \
+        --max-num-seqs 1 > "$WORK/breakdown_qwen3.json" 2> "$WORK/breakdown.log" &
+    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 scripts/decode_breakdown.py --preset deepseek-v2-lite \
+        --max-model-len 2048 --max-num-seqs 1 > "$WORK/breakdown_dsv2.json" 2>> "$WORK/breakdown.log" &
+    wait
+    echo "breakdown done at $SECONDS s"
+}
+
+latency() {  # latency NAME [command...]: B=1 decode figures of the Qwen3-8B preset
     local name=$1; shift
     timeout 120 "$@" --preset qwen3-8b --random-weights --max-model-len 4160 --max-num-seqs 8 --prompt-lens 128 \
-        --repeats 1 --decode-tokens 128 --split-steps 5 --output "$OUT/$name.json" > /dev/null 2>> "$OUT/bench.log"
-    echo "$name rc=$?"
+        --repeats 1 --decode-tokens 128 --split-steps 5 --output "$WORK/$name.json" > /dev/null 2>> "$WORK/bench.log"
+    echo "$name rc=$? at $SECONDS s"
 }
 
-bench() {
-    local tok="python3 scripts/tp_tokens.py"
-    # TP=1 on GPU 0 while DeepSeek EP=1 runs on GPU 1
+ds_latency() {  # ds_latency NAME [command...]: B=1 graphed decode of the V2-Lite preset
+    local name=$1; shift
+    timeout 120 "$@" --preset deepseek-v2-lite --random-weights --max-model-len 2048 --max-num-seqs 8 \
+        --prompt-lens 128 --repeats 1 --decode-tokens 128 --split-steps 5 --output "$WORK/$name.json" \
+        > /dev/null 2>> "$WORK/bench_ds.log"
+    echo "$name rc=$? at $SECONDS s"
+}
+
+tokens() {  # tokens PRESET OUT_NAME [launcher...]: greedy tokens (scripts/tp_tokens.py)
+    local preset=$1 name=$2; shift 2
+    timeout 150 "$@" scripts/tp_tokens.py generate --preset "$preset" --max-model-len 1024 --max-num-seqs 8 \
+        --out "$WORK/$name.json" 2>> "$WORK/bench.log"
+    echo "tokens $name rc=$? at $SECONDS s"
+}
+
+tp1() {
+    fits 330 tp1 || return
     (
         export CUDA_VISIBLE_DEVICES=0
-        timeout 120 $tok generate --preset qwen3-8b --max-model-len 1024 --max-num-seqs 8 --out "$OUT/tokens_tp1.json" \
-            2>> "$OUT/bench.log"
+        tokens qwen3-8b tokens_tp1 python3
         latency latency_tp1_eager python3 -m engine bench latency --enforce-eager
         latency latency_tp1_graphs python3 -m engine bench latency
-        timeout 150 python3 -m engine bench throughput --preset qwen3-8b --random-weights --max-model-len 2048 \
-            --output "$OUT/throughput_tp1.json" > /dev/null 2>> "$OUT/bench.log"
-        echo "throughput_tp1 rc=$?"
+        timeout 200 python3 -m engine bench throughput --preset qwen3-8b --random-weights --max-model-len 2048 \
+            --compare hf-eager --hf-num-seqs 16 --output "$WORK/throughput_tp1.json" > /dev/null 2>> "$WORK/bench.log"
+        echo "throughput_tp1 rc=$? at $SECONDS s"
     ) &
     (
         export CUDA_VISIBLE_DEVICES=1
-        timeout 150 $tok generate --preset deepseek-v2-lite --max-model-len 1024 --max-num-seqs 8 \
-            --out "$OUT/tokens_ep1.json" 2>> "$OUT/bench_ds.log"
-        timeout 120 python3 -m engine bench latency --preset deepseek-v2-lite --random-weights --max-model-len 2048 \
-            --max-num-seqs 8 --prompt-lens 128 --repeats 1 --decode-tokens 128 --split-steps 5 \
-            --output "$OUT/latency_ep1_graphs.json" > /dev/null 2>> "$OUT/bench_ds.log"
-        echo "latency_ep1_graphs rc=$?"
+        tokens deepseek-v2-lite tokens_ep1 python3
+        ds_latency latency_ep1_graphs python3 -m engine bench latency
     ) &
     wait
-    timeout 150 $TORCHRUN scripts/tp_tokens.py generate --preset qwen3-8b --max-model-len 1024 --max-num-seqs 8 \
-        --out "$OUT/tokens_tp2.json" 2>> "$OUT/bench.log"
+}
+
+tp2() {
+    fits 360 tp2 || return
+    tokens qwen3-8b tokens_tp2 $TORCHRUN
     latency latency_tp2_eager $TORCHRUN -m engine bench latency --enforce-eager --profile /tmp/tp2_eager_trace.json
     latency latency_tp2_eager_nccl $TORCHRUN -m engine bench latency --enforce-eager --disable-custom-all-reduce
     latency latency_tp2_graphs $TORCHRUN -m engine bench latency
     latency latency_tp2_graphs_nccl $TORCHRUN -m engine bench latency --disable-custom-all-reduce
+    fits 100 throughput_tp2 || return
     timeout 150 $TORCHRUN -m engine bench throughput --preset qwen3-8b --random-weights --max-model-len 2048 \
-        --output "$OUT/throughput_tp2.json" > /dev/null 2>> "$OUT/bench.log"
-    echo "throughput_tp2 rc=$?"
-    timeout 150 $TORCHRUN scripts/tp_tokens.py generate --preset deepseek-v2-lite --max-model-len 1024 \
-        --max-num-seqs 8 --out "$OUT/tokens_ep2.json" 2>> "$OUT/bench_ds.log"
-    timeout 120 $TORCHRUN -m engine bench latency --preset deepseek-v2-lite --random-weights --max-model-len 2048 \
-        --max-num-seqs 8 --prompt-lens 128 --repeats 1 --decode-tokens 128 --split-steps 5 \
-        --output "$OUT/latency_ep2_graphs.json" > /dev/null 2>> "$OUT/bench_ds.log"
-    echo "latency_ep2_graphs rc=$?"
-    timeout 60 python3 scripts/tp_tokens.py compare "$OUT/tokens_tp1.json" "$OUT/tokens_tp2.json" \
-        > "$OUT/compare_tp.json" 2>> "$OUT/bench.log"
-    timeout 60 python3 scripts/tp_tokens.py compare "$OUT/tokens_ep1.json" "$OUT/tokens_ep2.json" \
-        > "$OUT/compare_ep.json" 2>> "$OUT/bench_ds.log"
-    python3 - "$OUT" <<'PY'
+        --output "$WORK/throughput_tp2.json" > /dev/null 2>> "$WORK/bench.log"
+    echo "throughput_tp2 rc=$? at $SECONDS s"
+}
+
+ep2() {
+    fits 130 ep2 || return
+    tokens deepseek-v2-lite tokens_ep2 $TORCHRUN
+    ds_latency latency_ep2_graphs $TORCHRUN -m engine bench latency
+}
+
+summary() {
+    for pair in "tp1 tp2" "ep1 ep2"; do
+        set -- $pair
+        if [ -f "$WORK/tokens_$1.json" ] && [ -f "$WORK/tokens_$2.json" ]; then
+            timeout 90 python3 scripts/tp_tokens.py compare "$WORK/tokens_$1.json" "$WORK/tokens_$2.json" \
+                > "$WORK/compare_$1_$2.json" 2>> "$WORK/bench.log"
+        fi
+    done
+    cp "$WORK/gate-torchrun-nccl.json" "$WORK/gates.log" "$WORK"/tokens_*.json "$OUT/" 2>/dev/null
+    python3 - "$WORK" "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-def load(name):
-    p = out / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
-for name in ("compare_tp", "compare_ep"):
-    print(name, json.dumps(load(name))[:700])
-rows = {}
-for name in ("latency_tp1_eager", "latency_tp1_graphs", "latency_tp2_eager", "latency_tp2_eager_nccl",
-             "latency_tp2_graphs", "latency_tp2_graphs_nccl", "latency_ep1_graphs", "latency_ep2_graphs"):
-    r = load(name)
-    rows[name] = r and {"tok_s": round(r["decode"]["tok_s"], 1), "ttft_ms": round(r["ttft"][0]["ms"], 1),
-                        "split": r.get("step_split"), "mem": r.get("gpu_monitor")}
-    print(name, json.dumps(rows[name])[:600])
-for name in ("throughput_tp1", "throughput_tp2"):
-    r = load(name)
-    print(name, json.dumps(r and r.get("throughput"))[:400])
+merged = {}
+for path in sorted(out.glob("*.json")):
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        continue
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in ("prompts", "tokens")}
+    merged[path.name] = data
+pathlib.Path(sys.argv[2], "figures.json").write_text(json.dumps(merged, indent=1))
+for path in sorted(out.glob("compare_*.json")) + sorted(out.glob("breakdown_*.json")):
+    print(path.name, path.read_text()[:900])
+for path in sorted(out.glob("latency_*.json")):
+    r = json.loads(path.read_text())
+    print(path.name, json.dumps({"tok_s": round(r["decode"]["tok_s"], 1), "ttft_ms": round(r["ttft"][0]["ms"], 1),
+                                 "split": r.get("step_split"), "profile": r.get("profile", {}).get("gpu_kernel_us_per_step"),
+                                 "mem_gib": [round(d["mem_used_gib_max"], 1) for d in r["gpu_monitor"]["devices"]],
+                                 "util": [round(d["util_pct_mean"]) for d in r["gpu_monitor"]["devices"]]})[:600])
+for path in sorted(out.glob("throughput_*.json")):
+    r = json.loads(path.read_text())
+    print(path.name, json.dumps({k: r.get(k) for k in ("throughput", "compare_hf")})[:700])
 trace = pathlib.Path("/tmp/tp2_eager_trace.json")
 if trace.exists():
     kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
     total = sum(e["dur"] for e in kernels)
     names = ("all_reduce", "allreduce", "nccl", "one_shot", "two_shot", "multimem")
     ar = [e for e in kernels if any(n in e["name"].lower() for n in names)]
-    print("tp2 eager trace: kernels", len(kernels), "total us", round(total), "all-reduce kernels", len(ar),
-          "us", round(sum(e["dur"] for e in ar)), "share", round(sum(e["dur"] for e in ar) / max(total, 1), 4),
-          "names", sorted({e["name"][:60] for e in ar})[:4])
+    print("tp2 eager trace (rank 0, 5 steps): kernels", len(kernels), "kernel us", round(total),
+          "all-reduce kernels", len(ar), "us", round(sum(e["dur"] for e in ar)),
+          "share", round(sum(e["dur"] for e in ar) / max(total, 1), 4), sorted({e["name"][:50] for e in ar})[:3])
 PY
 }
 
-"$1"
+for section in "$@"; do "$section"; done
