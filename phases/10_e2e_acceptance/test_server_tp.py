@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU i
 
 pytestmark = pytest.mark.torchrun
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-STOP_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 120  # on a fresh GPU host the first requests also compile float32 kernels (44 s seen)
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ comes from host ints only (batch, heads, block-table width, SM count), never
 from ``context_lens``, so the launch is CUDA-graph safe; each program sizes
 its slice from its sequence's context length on the device, so a short
 context in a wide table (a graph captured for max_model_len) is still spread
-over every split instead of landing in the first one. A sequence with context
-length 0 (no split has a token) gets a zero row, never 0/0.
+over every split instead of landing in the first one. Splits past the end of a
+context write nothing and the merge reads only the active ones. A sequence with
+context length 0 (no split has a token) gets a zero row, never 0/0.
 """
 from __future__ import annotations
 
@@ -61,29 +62,34 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
             v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :], other=0.0)
         m, denom, acc = online_softmax_step(scores, valid[None, :], m, denom, acc, v, scale_log2)
 
-    has_tokens = denom > 0
-    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, denom, 1.0)), float("-inf"))
-    part = acc / tl.where(has_tokens, denom, 1.0)[:, None]
+    # a split past the end of its context writes nothing: the merge reads only the active splits
+    active = g_mask & (start < context)
+    lse = m + tl.log2(tl.where(denom > 0, denom, 1.0))
+    part = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
-    tl.store(part_lse_ptr + rows, lse, mask=g_mask)
-    tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part, mask=g_mask[:, None] & (dv < V_DIM)[None, :])
+    tl.store(part_lse_ptr + rows, lse, mask=active)
+    tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part, mask=active[:, None] & (dv < V_DIM)[None, :])
 
 
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, out_stride0, out_stride1,
-                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge the splits of one (sequence, head), BLOCK_S splits per vectorised step."""
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_splits, out_stride0, out_stride1,
+                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge the active splits of one (sequence, head) (those the split kernel gave tokens: the
+    same slicing of the context), BLOCK_S splits per vectorised step."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
+    context = tl.load(lens_ptr + seq)
+    split_tokens = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N
+    num_active = tl.cdiv(context, tl.maximum(split_tokens, 1))
     dv = tl.arange(0, BLOCK_DV)
     s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.full([BLOCK_S], NEG_BIG, tl.float32), axis=0)
     weight_sum = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_DV], tl.float32)
-    for chunk in range(0, num_splits, BLOCK_S):
+    for chunk in range(0, num_active, BLOCK_S):
         splits = chunk + s
-        ok = splits < num_splits
+        ok = splits < num_active
         lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
         part = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * V_DIM + dv[None, :],
                        mask=ok[:, None] & (dv < V_DIM)[None, :], other=0.0)
@@ -136,6 +142,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=4, num_stages=2)
     out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
     block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_dv))
-    _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-                                             V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s)
+    _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
+                                             out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
+                                             BLOCK_N=block_n)
     return out
