@@ -166,7 +166,8 @@ def test_a_failing_rank_aborts_the_group_instead_of_hanging(tmp_path):
     assert "timeout" not in run["reason"]
     failing = {t["nodeid"]: t for t in run["failing"]}
     first = failing["phases/01_p/test_tp.py::test_rank1_fails_while_rank0_waits"]
-    assert first["ranks"] == [1] and "rank 1 found the planted fault" in first["message"]
+    # rank 0 may also record a failure (its all_reduce sees the peer go); the cause is reported
+    assert 1 in first["ranks"] and "rank 1 found the planted fault" in first["message"]
     assert "aborting this rank" in run["output_tail"]
 
 

@@ -183,6 +183,17 @@ def test_a_test_failing_in_any_rank_fails_the_merged_result():
     assert [(r["rank"], r["counts"]["failed"]) for r in ranks] == [(0, 0), (1, 1)]
 
 
+def test_merged_message_is_the_soonest_failing_ranks():
+    """Both ranks fail a test: the message kept is the one of the rank that failed first (the
+    cause), not the lost-peer error its partner hit afterwards."""
+    def rank(r, seconds, message):
+        return {"rank": r, "exitstatus": 1, "tests": [
+            {"nodeid": "t.py::a", "outcome": "failed", "duration_s": seconds, "message": message}]}
+
+    merged, _ = merge_ranks([rank(0, 2.5, "Connection closed by peer"), rank(1, 0.1, "the planted fault")])
+    assert merged["t.py::a"]["ranks"] == [0, 1] and merged["t.py::a"]["message"] == "the planted fault"
+
+
 def test_timeout_kills_the_run_and_fails_the_phase(full, tree):
     phase = by_id(full[2])["08"]
     assert phase["status"] == "FAIL" and "timeout after 6 s" in phase["reason"]
