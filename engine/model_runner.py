@@ -236,7 +236,7 @@ class ModelRunner:
                                         [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
         self.decode_inputs.copy_(host, non_blocking=True)  # whole buffer: a column slice is not contiguous
         if self._staging_copied is not None:
-            self._staging_copied.record()
+            self._staging_copied.record(torch.cuda.current_stream(self.device))
 
     def _decode_inputs(self, size: int, width: int):
         """Device ops only (what a graph captures): the step's context from the staged inputs.

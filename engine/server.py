@@ -111,8 +111,14 @@ def _step(engine) -> tuple[list, str | None]:
 
 
 def mirror_rank0(engine) -> None:
-    """A worker rank's loop: run rank 0's broadcast commands and steps until its stop command."""
+    """A worker rank's loop: run rank 0's broadcast commands and steps until its stop command.
+    Any thread may run it: it makes the engine's device current first."""
     from engine.distributed import broadcast_object
+
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(engine.device)  # a new thread starts on cuda:0, whatever its rank's GPU
 
     while True:
         commands, stop = broadcast_object(None)
