@@ -14,6 +14,7 @@ Nothing above the runner sees a tensor; nothing below it sees a Sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from itertools import chain
@@ -56,8 +57,9 @@ class ModelRunner:
     (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
     ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
 
-    ``run(seqs, is_prefill) -> list[int]``: one token per sequence, in order.
-    ``release(seq)``: the sequence is finished; its block-table row is reused.
+    ``run(seqs, is_prefill) -> list[int]``: one token per sequence, in order (from any thread:
+    the runner makes its device current).
+    ``release(seq)``: the sequence is finished or preempted; its block-table row is reused.
     """
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -115,8 +117,16 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
+    def _on_device(self):
+        """Make this runner's GPU current for the caller's thread (a new thread starts on cuda:0)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        with self._on_device():
+            return self._run(seqs, is_prefill)
+
+    def _run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         self._sync_block_tables(seqs)
         if is_prefill:
             input_ids, positions, ctx, last = self.prepare_prefill(seqs)
@@ -252,9 +262,9 @@ class ModelRunner:
     def capture_decode_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each
         over the full block-table width so any context up to max_model_len replays it."""
-        self._stage_decode([], max(sizes))  # every column padding while capturing
         pool = None
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_device():
+            self._stage_decode([], max(sizes))  # every column padding while capturing
             for size in sorted(sizes, reverse=True):
                 def step(size=size):
                     return self._forward(*self._decode_inputs(size, self.max_blocks_per_seq))

@@ -102,11 +102,15 @@ def _apply(engine, commands: list[tuple]) -> list[str | None]:
 
 def _step(engine) -> tuple[list, str | None]:
     """One ``engine.step()``: the requests it reports finished, and an error message when it
-    raised (the engine has then finished the failed batch with "error")."""
+    raised (the engine has then finished the failed batch with "error"). Under TP a failed
+    step is fatal (re-raised): the rank that raised could not have joined its peers'
+    collectives, so the ranks' states have parted and only a stop of every rank is safe."""
     try:
         return engine.step(), None
     except Exception as e:
         log.exception("engine step failed")
+        if engine.tp.size > 1:
+            raise
         return [], f"the engine failed on this request: {type(e).__name__}: {e}"
 
 

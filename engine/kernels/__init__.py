@@ -175,9 +175,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """``out[n] = weights[expert_ids[n]] @ x[n]``: a new ``[N, Nout]`` tensor in ``x``'s dtype
     (float32 accumulation). ``x [N, K]``, ``weights [E, Nout, K]`` (stacked expert matrices,
-    read in place, never gathered), ``expert_ids [N]`` int64 in ``[0, E)``. For MoE steps with
-    few (token, expert) assignments, where copying each assignment's weights would cost more
-    than the product."""
+    read in place, never gathered), ``expert_ids [N]`` int64 in ``[0, E)``, or -1 for a zero row
+    that reads no weights (an assignment to another rank's expert). For MoE steps with few
+    (token, expert) assignments, where copying each assignment's weights would cost more than
+    the product."""
     _require(x.dim() == 2 and weights.dim() == 3 and weights.shape[2] == x.shape[1]
              and expert_ids.shape == x.shape[:1],
              lambda: f"expert_gemv: bad shapes x {tuple(x.shape)}, weights {tuple(weights.shape)}, "

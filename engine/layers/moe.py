@@ -131,7 +131,7 @@ class RoutedExperts(nn.Module):
         local = torch.where(is_local, local, 0)
         weights = torch.where(is_local, weights, 0).to(x.dtype)
         if ids.numel() <= self.num_local:
-            return self._gathered(x, weights, local)
+            return self._gathered(x, weights, torch.where(is_local, local, -1))
         if x.shape[0] <= DENSE_MAX_TOKENS:
             dense = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
             return self._dense(x, dense.scatter_add_(1, local, weights))
@@ -143,7 +143,8 @@ class RoutedExperts(nn.Module):
         return act
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """The T * k assignments, each row times its expert's weights read in place (``expert_gemv``)."""
+        """The T * k assignments, each row times its expert's weights read in place (``expert_gemv``;
+        ``local`` -1 marks another rank's expert: a zero row, no weights read)."""
         experts = local.flatten()
         rows = x[torch.arange(experts.shape[0], device=x.device) // local.shape[1]]      # [N, H]
         act = self._act(kernels.expert_gemv(rows, self.gate_up_proj, experts))             # [N, I]

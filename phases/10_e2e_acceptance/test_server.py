@@ -288,3 +288,20 @@ def test_engine_error_fails_only_its_request(served, client, oracle, monkeypatch
     assert first + _stream_text(stream)[0] == text
     assert http(served.url + "/health")[0] == 200
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_failed_step_is_fatal_under_tensor_parallelism():
+    """One process: a step that raises fails only its batch (an error message, the loop goes
+    on). Under TP it is re-raised: the rank that raised missed its peers' collectives, so only
+    stopping every rank is safe (a peer may be spinning in a captured all-reduce)."""
+    from types import SimpleNamespace
+
+    from engine.server import _step
+
+    def failing_step():
+        raise RuntimeError("boom")
+
+    finished, error = _step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
+    assert finished == [] and "RuntimeError: boom" in error
+    with pytest.raises(RuntimeError, match="boom"):
+        _step(SimpleNamespace(tp=SimpleNamespace(size=2), step=failing_step))

@@ -81,7 +81,8 @@ def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatc
 async def _clients(url: str, lengths: list[int]) -> list[str]:
     """PROMPTS[:len(lengths)] at once (every other one streamed) while one more client leaves
     mid-stream; the texts in prompt order."""
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                  timeout=STOP_TIMEOUT_S) as client:
         async def one(i: int, n: int) -> str:
             if i % 2:
                 out = await client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=n, **GREEDY)
@@ -112,7 +113,8 @@ def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
                 raise RuntimeError("injected failure on rank 0")
 
             running.engine_loop._take_commands = fail  # the next iteration fails
-            with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
+            with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0,
+                               timeout=STOP_TIMEOUT_S) as client:
                 with pytest.raises(openai.APIStatusError) as e:
                     client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=50, **GREEDY)
             assert e.value.status_code == 503

@@ -19,7 +19,8 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, x_stride, 
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     expert = tl.load(ids_ptr + row).to(tl.int64)
-    w_rows = w_ptr + expert * w_stride_e + cols[:, None].to(tl.int64) * w_stride_n
+    col_ok = col_ok & (expert >= 0)  # id -1: a zero row, and none of the weights read
+    w_rows = w_ptr + tl.maximum(expert, 0) * w_stride_e + cols[:, None].to(tl.int64) * w_stride_n
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -27,7 +28,7 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, x_stride, 
         x = tl.load(x_ptr + row * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_out)
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
