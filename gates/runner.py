@@ -110,9 +110,11 @@ def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
         result.status = FAIL
         result.reason = "eager-gate rule names no test: " + ", ".join(missing)
         return result
+    left_out = []  # torchrun sizes --nproc left out: said in the reason, never a silent PASS
     for run in runs:
         sizes = run.nproc or (1,)
         if run.mode == "torchrun" and options.nproc is not None:
+            left_out += [n for n in sizes if n not in options.nproc]
             sizes = tuple(n for n in sizes if n in options.nproc)
         for nproc in sizes:
             result.runs.append(_attempt(root, run, nproc))
@@ -136,6 +138,9 @@ def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
         result.reason = "; ".join(sorted({r.reason for r in skipped + empty}))
     elif skipped or empty:
         result.reason = "skipped: " + "; ".join(f"{r.label}: {r.reason}" for r in skipped + empty)
+    if left_out and result.status == PASS:
+        note = f"torchrun nproc={','.join(map(str, sorted(set(left_out))))} not run (--nproc)"
+        result.reason = f"{result.reason}; {note}" if result.reason else note
     return result
 
 

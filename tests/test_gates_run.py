@@ -167,6 +167,7 @@ def test_nproc_option_keeps_only_those_torchrun_sizes(tmp_path):
     phases = by_id(report)
     assert [(r["nproc"], r["status"]) for r in phases["01"]["runs"]] == [(2, "passed")]
     assert phases["01"]["status"] == "PASS" and code == 0
+    assert "nproc=3 not run (--nproc)" in phases["01"]["reason"]
     assert phases["02"]["status"] == "SKIP" and phases["02"]["runs"] == []
 
 
