@@ -113,8 +113,8 @@ def _kill_tree(pid: int) -> None:
 
 def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
     """Merge per-rank test lists: the worst outcome wins; remember failing ranks. When several
-    ranks fail a test, its message is the one of the rank that failed soonest (the cause; the
-    others typically fail after it, on the aborted collective)."""
+    ranks fail a test, its message is the one of the rank that failed first by the wall clock
+    (``failed_at``; the cause: the others typically fail after it, on the aborted collective)."""
     merged: dict[str, dict] = {}
     ranks = []
     for data in sorted(rank_files, key=lambda d: d["rank"]):
@@ -122,12 +122,12 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
         for t in data["tests"]:
             counts[COUNT_KEY[t["outcome"]]] += 1
             failing = t["outcome"] in ("failed", "error")
-            m = merged.setdefault(t["nodeid"], {**t, "ranks": [], "failed_after_s": t["duration_s"]})
+            m = merged.setdefault(t["nodeid"], {**t, "ranks": []})
             if failing:
                 m["ranks"].append(data["rank"])
-            if SEVERITY[t["outcome"]] > SEVERITY[m["outcome"]] or (
-                    failing and t["outcome"] == m["outcome"] and t["duration_s"] < m["failed_after_s"]):
-                m.update(outcome=t["outcome"], message=t["message"], failed_after_s=t["duration_s"])
+            earlier = failing and t["outcome"] == m["outcome"] and t.get("failed_at", 0) < m.get("failed_at", 0)
+            if SEVERITY[t["outcome"]] > SEVERITY[m["outcome"]] or earlier:
+                m.update(outcome=t["outcome"], message=t["message"], failed_at=t.get("failed_at"))
             m["duration_s"] = max(m["duration_s"], t["duration_s"])
         ranks.append({"rank": data["rank"], "exitstatus": data["exitstatus"], "counts": counts})
     return merged, ranks

@@ -3,7 +3,8 @@
 When ``GATES_RESULT_DIR`` is set it writes ``rank{RANK or 0}.json`` there at the
 end of the session: ``{"rank", "exitstatus", "tests": [{"nodeid", "outcome",
 "duration_s", "message"}]}`` with outcome one of passed / failed / skipped /
-error (setup, teardown or collection errors), and ``"properties"`` where a test called
+error (setup, teardown or collection errors), ``"failed_at"`` (wall-clock seconds) on a
+failure, and ``"properties"`` where a test called
 ``record_property`` (the performance gate records its benchmark figures so). Without the
 variable it records nothing.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 _tests: dict[str, dict] = {}
@@ -38,8 +40,7 @@ def _record(nodeid: str, outcome: str, duration: float, message: str = "", prope
     if outcome == "skipped" and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
     elif outcome in ("failed", "error") and entry["outcome"] not in ("failed", "error"):
-        entry["outcome"] = outcome
-        entry["message"] = message
+        entry.update(outcome=outcome, message=message, failed_at=time.time())
 
 
 def _in_torchrun() -> bool:

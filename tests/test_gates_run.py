@@ -184,14 +184,15 @@ def test_a_test_failing_in_any_rank_fails_the_merged_result():
     assert [(r["rank"], r["counts"]["failed"]) for r in ranks] == [(0, 0), (1, 1)]
 
 
-def test_merged_message_is_the_soonest_failing_ranks():
-    """Both ranks fail a test: the message kept is the one of the rank that failed first (the
-    cause), not the lost-peer error its partner hit afterwards."""
-    def rank(r, seconds, message):
-        return {"rank": r, "exitstatus": 1, "tests": [
-            {"nodeid": "t.py::a", "outcome": "failed", "duration_s": seconds, "message": message}]}
+def test_merged_message_is_the_first_failing_ranks():
+    """Both ranks fail a test: the message kept is the one of the rank that failed first by the
+    wall clock (the cause), not the lost-peer error its partner hit afterwards, even when the
+    partner's test took less time (it joined the rendezvous later)."""
+    def rank(r, failed_at, message):
+        return {"rank": r, "exitstatus": 1, "tests": [{"nodeid": "t.py::a", "outcome": "failed",
+                                                        "duration_s": 0.1, "message": message, "failed_at": failed_at}]}
 
-    merged, _ = merge_ranks([rank(0, 2.5, "Connection closed by peer"), rank(1, 0.1, "the planted fault")])
+    merged, _ = merge_ranks([rank(0, 1000.2, "Connection closed by peer"), rank(1, 1000.1, "the planted fault")])
     assert merged["t.py::a"]["ranks"] == [0, 1] and merged["t.py::a"]["message"] == "the planted fault"
 
 
