@@ -26,6 +26,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_tokens(context, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens of each split of a ``context``-token sequence: whole tiles, as few as cover it in
+    ``num_splits`` splits (the split kernel slices by it, the merge counts active splits by it)."""
+    return tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                          num_heads, group, head_blocks, q_stride0, q_stride1,
                          k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2, table_stride,
@@ -42,7 +49,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
     q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
 
     context = tl.load(lens_ptr + seq)
-    split_tokens = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    split_tokens = _split_tokens(context, num_splits, BLOCK_N)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, context)
     dv = tl.arange(0, BLOCK_DV)
@@ -80,8 +87,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_spli
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
     context = tl.load(lens_ptr + seq)
-    split_tokens = tl.cdiv(tl.cdiv(context, num_splits), BLOCK_N) * BLOCK_N
-    num_active = tl.cdiv(context, tl.maximum(split_tokens, 1))
+    num_active = tl.cdiv(context, tl.maximum(_split_tokens(context, num_splits, BLOCK_N), 1))
     dv = tl.arange(0, BLOCK_DV)
     s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.full([BLOCK_S], NEG_BIG, tl.float32), axis=0)
