@@ -245,7 +245,7 @@ def test_bad_requests_get_error_objects(served, client):
         client.completions.create(model="tiny", prompt="the", temperature=-1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="the")
-    assert client.completions.create(model="tiny", prompt="the", max_tokens=3).usage.completion_tokens == 3
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=3, **GREEDY).usage.completion_tokens == 3
 
 
 def test_client_disconnect_aborts_its_request(served, client, monkeypatch):
@@ -264,7 +264,7 @@ def test_client_disconnect_aborts_its_request(served, client, monkeypatch):
     assert aborted == [True]
     steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
     assert steps < 50, f"the request ran {steps} steps after its client left"
-    assert client.completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, **GREEDY).usage.completion_tokens == 2
 
 
 def test_engine_error_fails_only_its_request(served, client, oracle, monkeypatch):
@@ -287,7 +287,7 @@ def test_engine_error_fails_only_its_request(served, client, oracle, monkeypatch
         client.completions.create(model="tiny", prompt=[poison, 3, 4], max_tokens=5)
     assert first + _stream_text(stream)[0] == text
     assert http(served.url + "/health")[0] == 200
-    assert client.completions.create(model="tiny", prompt="the", max_tokens=2).usage.completion_tokens == 2
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, **GREEDY).usage.completion_tokens == 2
 
 
 def test_a_failed_step_is_fatal_under_tensor_parallelism():
