@@ -84,8 +84,8 @@ class RoutedExperts(nn.Module):
     meets its expert's weights where they lie (``kernels.expert_gemv``, no weight copy); up to ``DENSE_MAX_TOKENS``
     tokens: every local expert runs on every token and the routing weights (zero for
     experts not chosen) combine them — neither reads a value on the host; more tokens
-    (prefill): assignments are sorted by expert and each active expert runs one GEMM on
-    its tokens, after one host read of the per-expert counts.
+    (prefill): assignments are sorted by expert and two grouped GEMMs run every local
+    expert on its own rows.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, ep: TPGroup):
@@ -158,24 +158,21 @@ class RoutedExperts(nn.Module):
         return torch.einsum("te,eth->th", dense_weights, y)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Assignments sorted by expert (``experts == E_local`` marks another rank's), one GEMM
-        per active local expert."""
-        order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_local + 1).tolist()
-        kept = sum(counts[:self.num_local])
-        order = order[:kept]
-        tokens = order // experts.shape[1]
-        rows = x[tokens]
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts[:self.num_local]):
-            if n:
-                part = rows[start:start + n]
-                act = self._act(part @ self.gate_up_proj[e].t())
-                out_rows[start:start + n] = act @ self.down_proj[e].t()
-            start += n
-        out_rows *= weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, out_rows)
+        """Assignments sorted by expert (``experts == E_local`` marks another rank's, sorted last),
+        two grouped GEMMs over the local experts (``torch._grouped_mm``: one CUTLASS launch each
+        for bf16 on sm90, no host read; elsewhere torch loops over the groups), then the rows go
+        back to their tokens and are summed with their routing weights (no atomics)."""
+        flat = experts.flatten()                                                     # [N]
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local + 1)[:self.num_local]
+        ends = counts.cumsum(0, dtype=torch.int32)                                   # [E_local]
+        rows = x[order // experts.shape[1]]                                          # [N, H]
+        act = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
+        y = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)       # [N, H]
+        local_row = torch.arange(flat.shape[0], device=x.device)[:, None] < ends[-1]
+        y = torch.where(local_row, y, 0)           # rows past the last group are undefined, not zero
+        y = torch.empty_like(y).index_copy_(0, order, y)                             # token order
+        return (y.view(*experts.shape, -1) * weights[..., None]).sum(dim=1)
 
 
 class MoE(nn.Module):
