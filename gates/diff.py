@@ -5,10 +5,11 @@ A benchmark figure is ``{"value", "unit", "higher_is_better"}`` (``engine.bench.
 performance gate's test records its figures in the gate report (``record_property("figures",
 ...)``, kept by ``gates.pytest_plugin``). The diff prints phases whose status changed, tests whose
 outcome flipped (or that are new or gone) in runs that ran in both reports, runs that slowed, and
-every benchmark figure that changed. Something *regressed* when a phase that passed or was skipped
-now fails or is blocked, a test that passed or was skipped now fails or errors, a run is slower by
-more than ``slower`` (relative) and ``MIN_SLOWER_S``, or a figure is worse than before by more
-than the tolerance, or is gone.
+every benchmark figure that changed. Something *regressed* when a phase that passed no longer
+passes (a phase now skipped lost its coverage) or one that was skipped now fails or is blocked, a
+test that passed is now skipped, gone, failing or erroring (or a skipped one fails or errors), a
+run is slower by more than ``slower`` (relative) and ``MIN_SLOWER_S``, or a figure is worse than
+before by more than the tolerance (a baseline of 0: by anything), or is gone.
 """
 from __future__ import annotations
 
@@ -46,14 +47,19 @@ def _value(figure: dict | None) -> float | None:
 
 def figure_changes(old: dict, new: dict, tolerance: float) -> list[FigureChange]:
     """Every figure of ``old`` or ``new`` (name -> figure). A figure regressed when it is worse
-    than in ``old`` by more than ``tolerance`` (relative, in its own direction), or when ``old``
-    has it and ``new`` does not (or holds no finite value)."""
+    than in ``old`` by more than ``tolerance`` (relative, in its own direction; from a baseline of
+    0, e.g. allocations per step, any worse value), or when ``old`` has it and ``new`` does not
+    (or holds no finite value)."""
     changes = []
     for name in [*old, *(n for n in new if n not in old)]:
         before, after = _value(old.get(name)), _value(new.get(name))
         figure = new.get(name) if name in new else old[name]
+        sign = 1 if figure.get("higher_is_better", True) else -1
         change = after / before - 1 if before and after is not None else None
-        worse = change is not None and (-change if figure.get("higher_is_better", True) else change) > tolerance
+        if change is not None:
+            worse = -sign * change > tolerance
+        else:
+            worse = before == 0 and after is not None and sign * after < 0
         regressed = worse or (name in old and after is None)
         changes.append(FigureChange(name, figure.get("unit", ""), before, after, change, regressed))
     return changes
@@ -101,7 +107,7 @@ def phase_changes(old: dict, new: dict) -> list[tuple[str, bool]]:
     for pid in sorted(before.keys() | after.keys()):
         a, b = before.get(pid, "absent"), after.get(pid, "absent")
         if a != b:
-            lines.append((f"{pid}: {a} -> {b}", a not in BAD_PHASE and b in BAD_PHASE))
+            lines.append((f"{pid}: {a} -> {b}", a == "PASS" or (a not in BAD_PHASE and b in BAD_PHASE)))
     return lines
 
 
@@ -119,7 +125,7 @@ def flipped_tests(old_runs: dict, new_runs: dict) -> list[tuple[str, bool]]:
         for nodeid in [*before, *(n for n in after if n not in before)]:
             a, b = before.get(nodeid, absent), after.get(nodeid, absent)
             if a != b:
-                lines.append((f"{nodeid}{label}: {a} -> {b}", a not in BAD_TEST and b in BAD_TEST))
+                lines.append((f"{nodeid}{label}: {a} -> {b}", a == "passed" or (a not in BAD_TEST and b in BAD_TEST)))
     return lines
 
 

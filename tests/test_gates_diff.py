@@ -14,6 +14,7 @@ import pytest
 
 from gate_trees import gate, write_phase
 from gates.cli import main
+from gates.diff import figure_changes
 
 PERF = """
 import json
@@ -97,3 +98,29 @@ def test_diff_flags_a_slower_run(reports, tmp_path):
 def test_diff_of_a_missing_report_is_an_error(reports, tmp_path, capsys):
     assert main(["diff", str(reports[0]), str(tmp_path / "absent.json")]) == 2
     assert "no report at" in capsys.readouterr().err
+
+
+def test_diff_flags_lost_coverage(reports, tmp_path):
+    """A phase that passed and is now skipped, and a test that passed and is now skipped, regressed
+    (coverage was lost, nothing failed)."""
+    data = json.loads(reports[0].read_text())
+    data["phases"][0]["status"] = "SKIP"
+    stable = next(t for t in data["phases"][0]["runs"][0]["test_results"] if t["nodeid"].endswith("test_stable"))
+    stable["outcome"] = "skipped"
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps(data))
+    code, out = gates_cli("diff", str(reports[0]), str(skipped))
+    lines = out.splitlines()
+    assert code == 1 and "  01: PASS -> SKIP  REGRESSION" in lines, out
+    assert "  phases/01_p/test_perf.py::test_stable: passed -> skipped  REGRESSION" in lines, out
+
+
+def test_a_figure_from_a_zero_baseline_regresses_when_worse():
+    """No relative change exists from 0: a lower-is-better figure that grows from 0 regressed, one
+    that stays 0 did not; a higher-is-better figure that grows from 0 improved."""
+    allocations = {"value": 0, "unit": "allocations", "higher_is_better": False}
+    grown = dict(allocations, value=3)
+    assert [c.regressed for c in figure_changes({"a": allocations}, {"a": grown}, 0.1)] == [True]
+    assert [c.regressed for c in figure_changes({"a": allocations}, {"a": allocations}, 0.1)] == [False]
+    tok_s = {"value": 0, "unit": "tok/s", "higher_is_better": True}
+    assert [c.regressed for c in figure_changes({"t": tok_s}, {"t": dict(tok_s, value=5)}, 0.1)] == [False]
