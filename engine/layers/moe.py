@@ -9,24 +9,10 @@ from torch import nn
 from engine import kernels
 from engine.config import DeepseekConfig
 from engine.distributed import TPGroup, all_reduce_sum
-from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide, new_parameter
+from engine.layers.linear import divide, new_parameter
+from engine.layers.mlp import SwiGLUMLP
 
 DENSE_MAX_TOKENS = 64  # up to this many tokens, every local expert runs on every token (no host sync)
-
-
-class SwiGLUMLP(nn.Module):
-    """``[T, H] -> [T, H]``: one gate-up GEMM, silu_and_mul, down_proj with one all-reduce (TP)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-        kernels.silu_and_mul(act, gate_up)
-        return self.down_proj(act)
 
 
 class TopKRouter(nn.Module):

@@ -9,10 +9,11 @@ from engine.attention_context import get_context
 from engine.config import ModelConfig
 from engine.distributed import TPGroup, get_tp_group
 from engine.layers.attention import Attention
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.mlp import SwiGLUMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.decoder import CausalLM, DecoderLayer
 
 
 class QwenAttention(nn.Module):
@@ -48,63 +49,17 @@ class QwenAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class QwenMLP(nn.Module):
-    """SwiGLU: one gate-up GEMM, silu_and_mul, down_proj with one all-reduce."""
+class QwenDecoderLayer(DecoderLayer):
+    """The shared pre-norm layer with Qwen's attention and a SwiGLU MLP."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup):
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False, tp=tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, tp=tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = torch.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), dtype=x.dtype, device=x.device)
-        kernels.silu_and_mul(act, gate_up)
-        return self.down_proj(act)
+        super().__init__(QwenAttention(config, tp), SwiGLUMLP(config.hidden_size, config.intermediate_size, tp), config)
 
 
-class QwenDecoderLayer(nn.Module):
-    """(hidden, residual) -> (hidden, residual) with the fused residual chain:
-    the first layer's residual is None, later layers add in `fused_add_rms_norm`,
-    each norm with this layer's own weights."""
-
-    def __init__(self, config: ModelConfig, tp: TPGroup):
-        super().__init__()
-        self.self_attn = QwenAttention(config, tp)
-        self.mlp = QwenMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class QwenModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(QwenDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class QwenForCausalLM(nn.Module):
-    """Qwen2ForCausalLM / Qwen3ForCausalLM.
-
-    `forward(input_ids [T], positions [T]) -> hidden [T, H]`;
-    `compute_logits(hidden [B, H]) -> [B, vocab]` (pass the last token of each
-    sequence). Checkpoint q/k/v and gate/up tensors load into the merged
-    projections through `packed_modules`.
+class QwenForCausalLM(CausalLM):
+    """Qwen2ForCausalLM / Qwen3ForCausalLM (``CausalLM``'s forward and compute_logits).
+    Checkpoint q/k/v and gate/up tensors load into the merged projections through
+    ``packed_modules``.
     """
 
     packed_modules = {
@@ -113,19 +68,8 @@ class QwenForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
-        super().__init__()
         tp = tp or get_tp_group()
-        self.config = config
-        self.model = QwenModel(config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(config, (QwenDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)), tp)
 
 
 class QwenVLTextForCausalLM(QwenForCausalLM):

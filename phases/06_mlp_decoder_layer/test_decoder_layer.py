@@ -8,8 +8,9 @@ from transformers.models.qwen3 import modeling_qwen3
 from engine import kernels
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
+from engine.layers.mlp import SwiGLUMLP
 from engine.layers.norm import RMSNorm
-from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP
+from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
@@ -34,7 +35,8 @@ def rms_norm_f64(x, weight, eps):
 def test_mlp_matches_hf(arch):
     torch.manual_seed(0)
     hf = hf_module(arch, "MLP", seed=3)
-    ours = QwenMLP(engine_config(arch), TPGroup())
+    config = engine_config(arch)
+    ours = SwiGLUMLP(config.hidden_size, config.intermediate_size, TPGroup())
     load_from_hf(ours, hf, PACKED)
     x = torch.randn(37, hf_config(arch).hidden_size)
     with torch.no_grad():

@@ -1,0 +1,25 @@
+"""The SwiGLU MLP, tensor-parallel: Qwen's MLP and DeepSeek's dense and shared-expert MLPs."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import kernels
+from engine.distributed import TPGroup
+from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class SwiGLUMLP(nn.Module):
+    """``[T, H] -> [T, H]`` (new tensor): one gate-up GEMM (column-parallel, gate | up),
+    ``silu(gate) * up`` in one kernel, down_proj (row-parallel, one all-reduce under TP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        kernels.silu_and_mul(act, gate_up)
+        return self.down_proj(act)
