@@ -90,6 +90,7 @@ def test_mla_caches_one_latent_entry_per_token(dtype):
     assert attention_layers(ours) == [ours]
     assert ours.k_cache.shape == (2, 16, 1, width) and ours.v_cache is None
     n = 11
+    torch.manual_seed(0)
     x = torch.randn(n, cfg.hidden_size)
     positions, ctx = prefill_context([n], [0], [[1]], 16, "cpu")
     set_context(ctx)

@@ -119,6 +119,7 @@ def test_rank_caches_its_own_kv_head(rank, size):
     load_from_hf(ours, hf_attn, QwenForCausalLM.packed_modules)
     bind_kv_cache(ours, 1, 16, torch.float32, "cpu")
     n, d = 11, cfg.head_dim
+    torch.manual_seed(0)
     x = torch.randn(n, cfg.hidden_size)
     positions, ctx = prefill_context([n], [0], [[0]], 16, "cpu")
     set_context(ctx)
@@ -144,6 +145,7 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
     arch = "Qwen3ForCausalLM"
     cfg, hf_attn, rotary = hf_attention(arch, seed=5)
     ours = make_engine_attention(arch, cfg, hf_attn, 16, [32, 32])
+    torch.manual_seed(0)
     first = torch.randn(20, cfg.hidden_size)
     second = torch.cat([first[:16], torch.randn(8, cfg.hidden_size)])  # same first block
     positions, ctx = prefill_context([20, 24], [0, 16], [[0, 1], [0, 2]], 16, "cpu")

@@ -87,7 +87,7 @@ def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
 
 def test_cli_with_no_model_completes_python():
     out = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", "def fibonacci(n):",
-                          "--max-tokens", "24"], capture_output=True, text=True, timeout=120, cwd=REPO)
+                          "--max-tokens", "24", "--seed", "0"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def fibonacci(n):") and len(out.stdout) > len("def fibonacci(n):") + 10
     assert "Qwen3ForCausalLM" in out.stderr and "default_model" in out.stderr

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import socket
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -120,7 +121,11 @@ def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
             assert e.value.status_code == 503
             assert isinstance(running.engine_loop.failure, RuntimeError)
             running.engine_loop._thread.join(STOP_TIMEOUT_S)
-            assert running.server.done.is_set() and not running.engine_loop.alive
+            assert not running.engine_loop.alive
+            deadline = time.monotonic() + 10  # on_exit only queues done.set on the HTTP loop
+            while not running.server.done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert running.server.done.is_set(), "the server did not stop after its engine failed"
     else:
         mirror_until_stopped(engine)
     dist.barrier()
