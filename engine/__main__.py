@@ -69,15 +69,18 @@ def generate(args: argparse.Namespace) -> int:
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()
+    rejected = 0
     if engine.tp.rank == 0:
-        for prompt, rid in zip(prompts, ids):
+        for i, (prompt, rid) in enumerate(zip(prompts, ids)):
             out = engine.pop_request(rid)
             if out.finish_reason == "rejected":
-                print(f"[rejected: {out.reject_reason}]", file=sys.stderr)
+                rejected += 1
+                print(f"error: prompt {i + 1} rejected: {out.reject_reason}", file=sys.stderr)
+                continue
             print(prompt + out.text, flush=True)
             if len(prompts) > 1:
                 print("-" * 40, flush=True)
-    return 0
+    return 1 if rejected else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = commands.add_parser("generate", help="complete prompts and print the text",
                               description="Complete each --prompt and print prompt + completion "
-                                          "(default prompt: 'def fibonacci(n):').")
+                                          "(default prompt: 'def fibonacci(n):'). A prompt the engine "
+                                          "rejects (e.g. longer than --max-model-len) is named on stderr, "
+                                          "the others still print, and the exit code is 1.")
     add_engine_arguments(gen)
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--prompt", action="append", help="a prompt (repeat for several, batched together)")

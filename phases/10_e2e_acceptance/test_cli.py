@@ -58,6 +58,18 @@ def test_cli_generate_matches_hf(model_dir, hf_text):
     assert all(hf_text(p) for p in prompts), "an empty continuation proves nothing"
 
 
+def test_cli_generate_names_a_rejected_prompt_and_fails(model_dir, hf_text):
+    """A prompt longer than --max-model-len is named on stderr with the reason and the exit
+    code is 1; the other prompt of the batch still prints its completion."""
+    long_prompt = " ".join([PROMPTS[0]] * 40)
+    out = _engine("generate", "--model", str(model_dir), "--max-model-len", "64", "--max-tokens", str(MAX_NEW),
+                  "--prompt", long_prompt, "--prompt", PROMPTS[1])
+    assert out.returncode == 1, out.stderr
+    assert "prompt 1 rejected" in out.stderr and "max_model_len (64)" in out.stderr, out.stderr
+    assert long_prompt not in out.stdout
+    assert out.stdout.split("-" * 40 + "\n")[0].rstrip("\n") == PROMPTS[1] + hf_text(PROMPTS[1])
+
+
 def _options(parser: argparse.ArgumentParser) -> list[str]:
     return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
 
