@@ -76,6 +76,9 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, ep: TPGroup):
         super().__init__()
+        if hidden_size % 8 or intermediate_size % 8:
+            raise ValueError(f"hidden_size ({hidden_size}) and moe_intermediate_size ({intermediate_size}) must be "
+                             "multiples of 8: the grouped expert GEMMs need 16-byte rows")
         self.num_experts = num_experts
         self.num_local = divide(num_experts, ep.size, "n_routed_experts")
         self.expert_start = ep.rank * self.num_local
@@ -145,20 +148,22 @@ class RoutedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Assignments sorted by expert (``experts == E_local`` marks another rank's, sorted last),
-        two grouped GEMMs over the local experts (``torch._grouped_mm``: one CUTLASS launch each
-        for bf16 on sm90, no host read; elsewhere torch loops over the groups), then the rows go
-        back to their tokens and are summed with their routing weights (no atomics)."""
-        flat = experts.flatten()                                                     # [N]
+        two grouped GEMMs over the local experts (``torch._grouped_mm``, group ends found on the
+        device: one CUTLASS launch each for bf16 on sm90, no host read; elsewhere torch loops over
+        the groups after reading the ends), then the rows go back to token order and a batched
+        matmul sums each token's rows with its routing weights (no atomics)."""
+        flat = experts.flatten()                                                          # [N]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_local + 1)[:self.num_local]
-        ends = counts.cumsum(0, dtype=torch.int32)                                   # [E_local]
-        rows = x[order // experts.shape[1]]                                          # [N, H]
+        first_ids = torch.arange(1, self.num_local + 1, device=x.device)
+        ends = torch.searchsorted(flat[order], first_ids, out_int32=True)               # [E_local]
+        rows = x[order // experts.shape[1]]                                               # [N, H]
         act = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
-        y = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)       # [N, H]
-        local_row = torch.arange(flat.shape[0], device=x.device)[:, None] < ends[-1]
-        y = torch.where(local_row, y, 0)           # rows past the last group are undefined, not zero
-        y = torch.empty_like(y).index_copy_(0, order, y)                             # token order
-        return (y.view(*experts.shape, -1) * weights[..., None]).sum(dim=1)
+        y = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)            # [N, H]
+        position = torch.arange(flat.shape[0], device=x.device)
+        y.masked_fill_(position[:, None] >= ends[-1], 0)    # rows past the last group are undefined
+        token_order = torch.empty_like(order).index_put_((order,), position)
+        y = y[token_order].view(*experts.shape, -1)                                       # [T, k, H]
+        return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
 
 
 class MoE(nn.Module):
