@@ -30,8 +30,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     caches one latent entry per token (``kv_cache.kv_cache_spec``). Checkpoint gate/up
     tensors load into merged projections through ``packed_modules``, per-expert tensors
     ``experts.<e>.<name>.weight`` into the stacked expert weights through ``expert_params``.
-    ``max_graph_batch``: the MoE decode paths without a host read serve up to
-    ``DENSE_MAX_TOKENS`` tokens, so CUDA graphs are captured only up to that batch size.
+    ``max_graph_batch``: CUDA graphs are captured only up to ``DENSE_MAX_TOKENS``, the batch
+    sizes whose MoE paths never read the host; the grouped path beyond reads its group ends
+    on the host wherever torch's grouped GEMM falls back to a loop (all but bf16 on sm90).
     """
 
     max_graph_batch = DENSE_MAX_TOKENS
