@@ -83,7 +83,7 @@ def _require(ok: bool, message: Callable[[], str]) -> None:
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """``out = input * rsqrt(mean(input**2, -1) + eps) * weight`` in float32, written into ``out``
-    (same shape as ``input``: [..., H]; ``weight`` [H])."""
+    (same shape as ``input``: [..., H]; ``weight`` [H]; ``out`` may be ``input`` itself)."""
     _require(out.shape == input.shape, lambda: f"rms_norm: out {tuple(out.shape)} != input {tuple(input.shape)}")
     _require(weight.shape == input.shape[-1:], lambda: f"rms_norm: weight {tuple(weight.shape)} != [{input.shape[-1]}]")
     _ops(input).rms_norm(out, input, weight, eps)
@@ -173,14 +173,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """``out[n] = weights[expert_ids[n]] @ x[n]``: a new ``[N, Nout]`` tensor in ``x``'s dtype
-    (float32 accumulation). ``x [N, K]``, ``weights [E, Nout, K]`` (stacked expert matrices,
-    read in place, never gathered), ``expert_ids [N]`` int64 in ``[0, E)``, or -1 for a zero row
-    that reads no weights (an assignment to another rank's expert). For MoE steps with few
-    (token, expert) assignments, where copying each assignment's weights would cost more than
-    the product."""
+    """``out[t, j] = weights[expert_ids[t, j]] @ x[t]``: a new ``[T, J, Nout]`` tensor in ``x``'s
+    dtype (float32 accumulation). ``x [T, K]`` (row stride free), ``weights [E, Nout, K]``
+    (stacked expert matrices, read in place, never gathered), ``expert_ids [T, J]`` int64 in
+    ``[0, E)``, or -1 for a zero row that reads no weights (an assignment to another rank's
+    expert). For MoE steps with few (token, expert) assignments: each token's row meets each of
+    its J experts without being copied J times, and no expert's weights are copied."""
     _require(x.dim() == 2 and weights.dim() == 3 and weights.shape[2] == x.shape[1]
-             and expert_ids.shape == x.shape[:1],
+             and expert_ids.dim() == 2 and expert_ids.shape[0] == x.shape[0],
              lambda: f"expert_gemv: bad shapes x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
              f"expert_ids {tuple(expert_ids.shape)}")
     return _ops(x).expert_gemv(x, weights, expert_ids)

@@ -86,8 +86,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    rows = torch.bmm(weights[expert_ids.clamp(min=0)].float(), x.float()[:, :, None])[..., 0]
-    return rows.masked_fill_((expert_ids < 0)[:, None], 0.0).to(x.dtype)
+    out = torch.einsum("tjnk,tk->tjn", weights[expert_ids.clamp(min=0)].float(), x.float())
+    return out.masked_fill_((expert_ids < 0)[..., None], 0.0).to(x.dtype)
 
 
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

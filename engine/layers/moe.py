@@ -48,11 +48,14 @@ class TopKRouter(nn.Module):
             best_groups = group_scores.topk(ds.topk_group, dim=-1).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
-        ids = choice.topk(ds.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
+        if choice is scores:  # plain top-k: its values are the weights
+            weights, ids = scores.topk(ds.num_experts_per_tok, dim=-1)
+        else:
+            ids = choice.topk(ds.num_experts_per_tok, dim=-1).indices
+            weights = scores.gather(1, ids)
         if ds.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * ds.routed_scaling_factor, ids
+        return (weights if ds.routed_scaling_factor == 1.0 else weights * ds.routed_scaling_factor), ids
 
 
 class RoutedExperts(nn.Module):
@@ -66,12 +69,13 @@ class RoutedExperts(nn.Module):
     with shard id ``(e, 0 | 1)``; ``owns_shard`` tells the loader which are this rank's.
 
     Tokens meet experts in one of three ways, by step size (shapes only, never values):
-    few assignments (``T * k <= E_local``, e.g. small decode batches): each assignment's row
-    meets its expert's weights where they lie (``kernels.expert_gemv``, no weight copy); up to ``DENSE_MAX_TOKENS``
-    tokens: every local expert runs on every token and the routing weights (zero for
-    experts not chosen) combine them — neither reads a value on the host; more tokens
-    (prefill): assignments are sorted by expert and two grouped GEMMs run every local
-    expert on its own rows.
+    few assignments (``T * k <= E_local``, e.g. small decode batches): each token's row meets
+    each of its experts' weights where they lie (``kernels.expert_gemv``, no copy of weights or
+    rows); up to ``DENSE_MAX_TOKENS`` tokens: every local expert runs on every token and the
+    routing weights (zero for experts not chosen) combine them — neither reads a value on the
+    host; more tokens (prefill): assignments are sorted by expert and two grouped GEMMs run
+    every local expert on its own rows. Only under EP (``E_local < E``) are the ids mapped to
+    local ones and other ranks' experts marked (zero weight); with one rank nothing is.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, ep: TPGroup):
@@ -115,33 +119,38 @@ class RoutedExperts(nn.Module):
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.expert_start
-        is_local = (local >= 0) & (local < self.num_local)
-        local = torch.where(is_local, local, 0)
-        weights = torch.where(is_local, weights, 0).to(x.dtype)
+        weights = weights.to(x.dtype)
         if ids.numel() <= self.num_local:
-            return self._gathered(x, weights, torch.where(is_local, local, -1))
-        if x.shape[0] <= DENSE_MAX_TOKENS:
-            dense = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
-            return self._dense(x, dense.scatter_add_(1, local, weights))
-        return self._grouped(x, weights, torch.where(is_local, local, self.num_local))
+            path, foreign_id = self._gathered, -1
+        elif x.shape[0] <= DENSE_MAX_TOKENS:
+            path, foreign_id = self._dense, 0  # its routing weight is zero: expert 0 adds nothing
+        else:
+            path, foreign_id = self._grouped, self.num_local
+        if self.num_local < self.num_experts:  # expert parallel: map to local ids, mark other ranks' experts
+            ids = ids - self.expert_start
+            foreign = (ids < 0) | (ids >= self.num_local)
+            weights = weights.masked_fill(foreign, 0)
+            ids = ids.masked_fill(foreign, foreign_id)
+        return path(x, weights, ids)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         act = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
         kernels.silu_and_mul(act, gate_up)
         return act
 
-    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """The T * k assignments, each row times its expert's weights read in place (``expert_gemv``;
-        ``local`` -1 marks another rank's expert: a zero row, no weights read)."""
-        experts = local.flatten()
-        rows = x[torch.arange(experts.shape[0], device=x.device) // local.shape[1]]      # [N, H]
-        act = self._act(kernels.expert_gemv(rows, self.gate_up_proj, experts))             # [N, I]
-        y = kernels.expert_gemv(act, self.down_proj, experts)                              # [N, H]
-        return (y.view(*local.shape, -1) * weights[..., None]).sum(dim=1)
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's row times each of its experts' weights, read in place (``expert_gemv``;
+        id -1, another rank's expert: a zero row, no weights read), summed with its weights."""
+        tokens, per_token = ids.shape
+        act = self._act(kernels.expert_gemv(x, self.gate_up_proj, ids))                       # [T, k, I]
+        y = kernels.expert_gemv(act.view(tokens * per_token, -1), self.down_proj, ids.view(-1, 1))  # [T*k, 1, H]
+        return torch.bmm(weights.unsqueeze(1), y.view(tokens, per_token, -1)).squeeze(1)
 
-    def _dense(self, x: torch.Tensor, dense_weights: torch.Tensor) -> torch.Tensor:
-        """Every local expert on every token, combined by ``dense_weights [T, E_local]``."""
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined by the routing weights scattered to
+        ``[T, E_local]`` (zero for the experts a token did not choose)."""
+        dense_weights = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
+        dense_weights.scatter_add_(1, ids, weights)
         act = self._act(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))   # [E_local, T, I]
         y = torch.bmm(act, self.down_proj.transpose(1, 2))                     # [E_local, T, H]
         return torch.einsum("te,eth->th", dense_weights, y)

@@ -120,7 +120,7 @@ def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):
     lens = torch.full((tokens,), 4, dtype=torch.int32, device=device)
     cu = torch.arange(tokens + 1, device=device, dtype=torch.int32)
     normed, activated = torch.empty_like(x), torch.empty(tokens, hidden // 2, device=device, dtype=dtype)
-    experts, expert_ids = rand(3, 48, hidden), torch.arange(tokens, device=device) % 3
+    experts, expert_ids = rand(3, 48, hidden), (torch.arange(2 * tokens, device=device) % 3).view(tokens, 2)
     return {
         "rms_norm": lambda: K.rms_norm(normed, x, weight, 1e-6),
         "fused_add_rms_norm": lambda: K.fused_add_rms_norm(x, residual, weight, 1e-6),

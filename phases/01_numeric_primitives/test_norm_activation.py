@@ -53,6 +53,23 @@ def test_rms_norm_on_strided_per_head_view(target):
                                 st.sampled_from([64, 128]), SEEDS), check)
 
 
+def test_rms_norm_in_place_on_a_column_slice(target):
+    """``out`` may be ``input`` itself: MLA normalises the latent's first ``kv_lora_rank`` columns
+    in place inside the wider ``[T, rank + rope]`` projection, leaving the rope columns as they were."""
+    def check(case):
+        tokens, rank, rope, seed = case
+        gen = torch.Generator().manual_seed(seed)
+        latent = rand(gen, tokens, rank + rope, target=target, scale=3.0)
+        before = latent.clone()
+        weight = 1 + 0.1 * rand(gen, rank, target=target)
+        target.ops.rms_norm(latent[:, :rank], latent[:, :rank], weight, EPS)
+        assert_close(latent[:, :rank], rms_norm_truth(before[:, :rank], weight, EPS), target.tol, "rms_norm in place")
+        assert torch.equal(latent[:, rank:], before[:, rank:]), "in-place rms_norm wrote past its columns"
+
+    run_cases(target, st.tuples(st.integers(1, target.max_tokens), st.sampled_from([64, 512]),
+                                st.sampled_from([16, 64]), SEEDS), check)
+
+
 def test_fused_add_rms_norm_updates_both_in_place(target):
     def check(case):
         (tokens, hidden), seed = case

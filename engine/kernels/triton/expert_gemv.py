@@ -1,9 +1,11 @@
-"""Expert GEMV: each row of a few-token MoE step times its own expert's weight matrix, read
-in place from the stacked expert weights (no gathered copy of the weights).
+"""Expert GEMV: each (token, expert) assignment of a few-token MoE step, the token's row times
+that expert's weight matrix, read in place from the stacked expert weights (no gathered copy of
+the weights, no repeated copy of the row).
 
-Program (row, output block) loads its row's expert id on the device, then streams that
-expert's ``[BLOCK_N, K]`` weight rows in ``BLOCK_K`` chunks against the row's activations,
-accumulating in float32. Launch shape comes from host shapes only (CUDA-graph safe).
+Program (assignment, output block) loads its assignment's expert id on the device, then streams
+that expert's ``[BLOCK_N, K]`` weight rows in ``BLOCK_K`` chunks against its token's
+activations (row ``assignment // J``), accumulating in float32. Launch shape comes from host
+shapes only (CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, x_stride, w_stride_e, w_stride_n,
-                        out_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, experts_per_row, x_stride, w_stride_e,
+                        w_stride_n, out_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (token, expert) assignment
+    token = row // experts_per_row
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     expert = tl.load(ids_ptr + row).to(tl.int64)
@@ -25,7 +28,7 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, x_stride, 
     for k0 in range(0, k_dim, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_dim
-        x = tl.load(x_ptr + row * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + token * x_stride + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_out)
@@ -33,13 +36,15 @@ def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, x_stride, 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """See ``engine.kernels.expert_gemv``."""
-    rows, k_dim = x.shape
+    tokens, k_dim = x.shape
+    experts_per_row = expert_ids.shape[1]
     _, n_out, _ = weights.shape
     if x.stride(-1) != 1 or weights.stride(-1) != 1:
         raise ValueError("expert_gemv: x and weights need a contiguous last dim")
-    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    ids = expert_ids.contiguous()
+    out = torch.empty(tokens, experts_per_row, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 256
-    _expert_gemv_kernel[(rows, triton.cdiv(n_out, block_n))](
-        x, weights, expert_ids, out, n_out, k_dim, x.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _expert_gemv_kernel[(tokens * experts_per_row, triton.cdiv(n_out, block_n))](
+        x, weights, ids, out, n_out, k_dim, experts_per_row, x.stride(0), weights.stride(0), weights.stride(1),
+        out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
