@@ -139,6 +139,21 @@ def test_moe_has_no_host_sync_at_any_step_size(monkeypatch, tokens):
     assert_no_host_sync_and_no_copies(count_step(lambda: ours(x), monkeypatch))
 
 
+def test_one_ep_rank_maps_no_ids_and_copies_no_rows(monkeypatch):
+    """With every expert local, the routed experts of a decode token neither map nor mask ids
+    and never copy the token's row per expert: each such op is a kernel launch on the GPU."""
+    from phases.harness import count_step
+
+    cfg, hf = hf_moe("V2", seed=4)
+    ours = engine_moe("V2", hf)
+    x = torch.randn(1, cfg.hidden_size)
+    weights, ids = ours.gate(x)
+    ops = count_step(lambda: ours.experts(x, weights, ids), monkeypatch).model_ops
+    needless = {"sub", "ge", "lt", "bitwise_or", "bitwise_and", "masked_fill", "where", "arange", "index",
+                "floor_divide", "gather"}
+    assert not needless & set(ops), sorted(needless & set(ops))
+
+
 def test_expert_sizes_must_suit_the_grouped_gemm():
     """Expert weights whose rows are not 16-byte multiples are refused when the layer is built
     (the grouped GEMM would fail at the first prefill)."""
