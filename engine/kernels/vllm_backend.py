@@ -3,8 +3,9 @@
 Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv`` and
 ``qk_norm_rope_store`` have no vllm counterpart here and are Triton's. Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
-``v_cache`` None), value head dims that differ from the query's, and paged
-blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum).
+``v_cache`` None), value head dims that differ from the query's, paged
+blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum), and an
+``rms_norm`` whose ``out`` is strided or is its input (MLA's in-place latent norm).
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    if not out.is_contiguous() or out.data_ptr() == input.data_ptr():  # vllm: contiguous, unaliased out
+        triton_ops.rms_norm(out, input, weight, eps)
+        return
     vllm_ops.rms_norm(out, input, weight, eps)
 
 
