@@ -41,7 +41,8 @@ if os.environ.get("GATES_AUDIT"):
 
 
 TORCHRUN_DEVICE_VAR = "GATES_TORCHRUN_DEVICE"
-IN_TORCHRUN = int(os.environ.get("WORLD_SIZE", "1")) > 1
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+IN_TORCHRUN = WORLD_SIZE > 1
 
 
 def _switch() -> str:
@@ -55,7 +56,8 @@ if IN_TORCHRUN and _switch() == "cuda":
 def torchrun_device() -> torch.device:
     """This process's test device: ``cuda:LOCAL_RANK`` under torchrun with
     ``GATES_TORCHRUN_DEVICE=cuda``, else the CPU. Fails the test (not a crash deep in
-    the process group) when the switch is on but this rank has no GPU of its own."""
+    the process group) when the switch is on but the machine has no GPU; with fewer GPUs than
+    ranks the torchrun tests are skipped at collection."""
     kind = _switch()
     if kind not in ("cpu", "cuda"):
         pytest.fail(f"{TORCHRUN_DEVICE_VAR}={os.environ[TORCHRUN_DEVICE_VAR]!r}: expected cpu (the default, gloo) "
@@ -66,32 +68,28 @@ def torchrun_device() -> torch.device:
         pytest.fail(f"{TORCHRUN_DEVICE_VAR}=cuda but torch.cuda.is_available() is False on this machine: "
                     f"the torchrun tests cannot run on NCCL here (unset it to run them on the CPU with gloo)",
                     pytrace=False)
-    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if local_rank >= count:
-        pytest.fail(f"{TORCHRUN_DEVICE_VAR}=cuda needs one GPU per rank: LOCAL_RANK {local_rank} but only {count} "
-                    f"GPU(s) visible; run at most {count} ranks", pytrace=False)
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def pytest_configure(config):
     """Under torchrun every rank is a separate pytest: give each its own
     temporary-directory root so ranks never share or clean up each other's."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not config.option.basetemp:
+    if IN_TORCHRUN and not config.option.basetemp:
         config.option.basetemp = tempfile.mkdtemp(prefix=f"pytest-rank{os.environ.get('RANK', '0')}-")
 
 
 def pytest_collection_modifyitems(config, items):
-    in_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     has_cuda = torch.cuda.is_available()
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tr = pytest.mark.skip(reason="runs only under torchrun (WORLD_SIZE > 1)")
-    world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count() if has_cuda else 0
-    too_few_gpus = in_torchrun and _switch() == "cuda" and 0 < gpus < world  # every rank sees the same: all skip
-    skip_gpus = pytest.mark.skip(reason=f"{TORCHRUN_DEVICE_VAR}=cuda: {world} ranks need {world} GPUs, {gpus} here")
+    gpus = torch.cuda.device_count() if has_cuda else 0
+    too_few_gpus = IN_TORCHRUN and _switch() == "cuda" and 0 < gpus < WORLD_SIZE  # every rank sees the same: all skip
+    skip_gpus = pytest.mark.skip(reason=f"{TORCHRUN_DEVICE_VAR}=cuda: {WORLD_SIZE} ranks need {WORLD_SIZE} GPUs, "
+                                        f"{gpus} here")
     for item in items:
         if item.get_closest_marker("cuda") and not has_cuda:
             item.add_marker(skip_cuda)
-        if item.get_closest_marker("torchrun") and not in_torchrun:
+        if item.get_closest_marker("torchrun") and not IN_TORCHRUN:
             item.add_marker(skip_tr)
         if item.get_closest_marker("torchrun") and too_few_gpus:
             item.add_marker(skip_gpus)

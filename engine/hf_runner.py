@@ -47,7 +47,7 @@ class HFModelRunner:
         rows = []
         for seq in seqs:
             rid, start = seq.request_id, seq.num_computed_tokens
-            ids = seq.token_ids[start:start + seq.num_scheduled_tokens]
+            ids = seq.token_ids[start:start + seq.num_scheduled_tokens] if is_prefill else [seq.last_token_id]
             past = self._caches[rid] if start else None
             out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True)
             self._caches[rid] = out.past_key_values

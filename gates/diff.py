@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gates.execute import FAILING, run_label
+
 DEFAULT_TOLERANCE = 0.10
 DEFAULT_SLOWER = 0.25
 MIN_SLOWER_S = 5.0
 BAD_PHASE = ("FAIL", "BLOCKED")
-BAD_TEST = ("failed", "error")
 
 
 @dataclass
@@ -90,8 +91,7 @@ def _runs(report: dict) -> dict[tuple, dict]:
     for phase in report["phases"]:
         for run in phase.get("runs", []):
             if run.get("command"):
-                label = "single" if run["mode"] == "single" else f"torchrun nproc={run['nproc']}"
-                runs[phase["id"], label, tuple(run["tests"])] = run
+                runs[phase["id"], run_label(run["mode"], run["nproc"]), tuple(run["tests"])] = run
     return runs
 
 
@@ -125,7 +125,7 @@ def flipped_tests(old_runs: dict, new_runs: dict) -> list[tuple[str, bool]]:
         for nodeid in [*before, *(n for n in after if n not in before)]:
             a, b = before.get(nodeid, absent), after.get(nodeid, absent)
             if a != b:
-                lines.append((f"{nodeid}{label}: {a} -> {b}", a == "passed" or (a not in BAD_TEST and b in BAD_TEST)))
+                lines.append((f"{nodeid}{label}: {a} -> {b}", a == "passed" or (a not in FAILING and b in FAILING)))
     return lines
 
 

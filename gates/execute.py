@@ -26,6 +26,12 @@ COUNT_KEY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "erro
 SEVERITY = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
 OUTPUT_TAIL_CHARS = 4000
 PYTEST_NO_TESTS = 5
+FAILING = ("failed", "error")  # the outcomes that fail a run
+
+
+def run_label(mode: str, nproc: int | None) -> str:
+    """How reports name a run: "single" or "torchrun nproc=N"."""
+    return "single" if mode == "single" else f"torchrun nproc={nproc}"
 
 
 @dataclass
@@ -49,7 +55,7 @@ class RunResult:
 
     @property
     def label(self) -> str:
-        return "single" if self.mode == "single" else f"torchrun nproc={self.nproc}"
+        return run_label(self.mode, self.nproc)
 
 
 def pytest_command(run: Run, nproc: int, root: Path) -> list[str]:
@@ -121,7 +127,7 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
         counts = dict.fromkeys(COUNT_KEY.values(), 0)
         for t in data["tests"]:
             counts[COUNT_KEY[t["outcome"]]] += 1
-            failing = t["outcome"] in ("failed", "error")
+            failing = t["outcome"] in FAILING
             m = merged.setdefault(t["nodeid"], {**t, "ranks": []})
             if failing:
                 m["ranks"].append(data["rank"])
@@ -161,7 +167,7 @@ def execute(run: Run, nproc: int, root: Path) -> RunResult:
                            for t in merged.values()]
     result.failing = [{"nodeid": t["nodeid"], "outcome": t["outcome"], "ranks": t["ranks"],
                        "message": t["message"]}
-                      for t in merged.values() if t["outcome"] in ("failed", "error")]
+                      for t in merged.values() if t["outcome"] in FAILING]
     result.status, reason = _judge(result, expected_ranks=nproc)
     result.reason = result.reason or reason
     return result

@@ -10,6 +10,8 @@ import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
+from gates.execute import run_label
+
 FAILING_SHOWN = 20
 TAIL_LINES = 25
 MESSAGE_LINES = 3
@@ -29,8 +31,7 @@ def phase_started(phase, gate) -> None:
 
 
 def run_started(run, nproc: int) -> None:
-    label = "single" if run.mode == "single" else f"torchrun nproc={nproc}"
-    _say(f"   > {label:<18} {' '.join(run.tests)}")
+    _say(f"   > {run_label(run.mode, nproc):<18} {' '.join(run.tests)}")
 
 
 def _counts(c: dict) -> str:

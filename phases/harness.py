@@ -164,13 +164,13 @@ def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
 class OpCounter(TorchDispatchMode):
     """Counts what a step does: aten ops (``counts``), those dispatched by model
     code outside the kernel interface (``model_ops``; a CPU reference kernel may
-    reshape freely), and reads of tensor values on the host (``host_reads``:
-    item / tolist / numpy / cpu, which no dispatch counter sees). Use with
-    ``count_step``."""
+    reshape freely), calls through that interface (``kernel_calls``, by name), and reads
+    of tensor values on the host (``host_reads``: item / tolist / numpy / cpu, which no
+    dispatch counter sees). Use with ``count_step``."""
 
     def __init__(self):
         super().__init__()
-        self.counts, self.model_ops, self.host_reads, self.in_kernel = {}, {}, [], False
+        self.counts, self.model_ops, self.kernel_calls, self.host_reads, self.in_kernel = {}, {}, {}, [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -189,7 +189,8 @@ def count_step(fn, monkeypatch) -> OpCounter:
     for name in kernels.__all__:
         real = getattr(kernels, name)
 
-        def inside(*args, _real=real, **kwargs):
+        def inside(*args, _real=real, _name=name, **kwargs):
+            counter.kernel_calls[_name] = counter.kernel_calls.get(_name, 0) + 1
             counter.in_kernel = True
             try:
                 return _real(*args, **kwargs)

@@ -71,8 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))[0])
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         latent = self.kv_a_proj_with_mqa(hidden)  # [T, rank + rope]: compressed kv | k_pe (a new tensor)
-        kv_c = latent[:, :self.kv_lora_rank]
-        kernels.rms_norm(kv_c, kv_c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)  # in place
+        self.kv_a_layernorm.normalize_(latent[:, :self.kv_lora_rank])
         latent = latent[:, None]  # [T, 1, rank + rope]
         self.rotary_emb(positions, q[..., self.nope_dim:], latent[..., self.kv_lora_rank:])
         kernels.store_kv_cache(latent, None, self.k_cache, None, ctx.slot_mapping)

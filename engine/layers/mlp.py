@@ -9,6 +9,13 @@ from engine.distributed import TPGroup
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2I] -> [..., I]`` (new tensor): ``silu(gate) * up`` of the gate | up halves, one kernel."""
+    act = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    kernels.silu_and_mul(act, gate_up)
+    return act
+
+
 class SwiGLUMLP(nn.Module):
     """``[T, H] -> [T, H]`` (new tensor): one gate-up GEMM (column-parallel, gate | up),
     ``silu(gate) * up`` in one kernel, down_proj (row-parallel, one all-reduce under TP)."""
@@ -19,7 +26,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-        kernels.silu_and_mul(act, gate_up)
-        return self.down_proj(act)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))

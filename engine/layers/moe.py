@@ -10,7 +10,7 @@ from engine import kernels
 from engine.config import DeepseekConfig
 from engine.distributed import TPGroup, all_reduce_sum
 from engine.layers.linear import divide, new_parameter
-from engine.layers.mlp import SwiGLUMLP
+from engine.layers.mlp import SwiGLUMLP, swiglu
 
 DENSE_MAX_TOKENS = 64  # up to this many tokens, every local expert runs on every token (no host sync)
 
@@ -133,16 +133,11 @@ class RoutedExperts(nn.Module):
             ids = ids.masked_fill(foreign, foreign_id)
         return path(x, weights, ids)
 
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        act = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
-        kernels.silu_and_mul(act, gate_up)
-        return act
-
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's row times each of its experts' weights, read in place (``expert_gemv``;
         id -1, another rank's expert: a zero row, no weights read), summed with its weights."""
         tokens, per_token = ids.shape
-        act = self._act(kernels.expert_gemv(x, self.gate_up_proj, ids))                       # [T, k, I]
+        act = swiglu(kernels.expert_gemv(x, self.gate_up_proj, ids))                       # [T, k, I]
         y = kernels.expert_gemv(act.view(tokens * per_token, -1), self.down_proj, ids.view(-1, 1))  # [T*k, 1, H]
         return torch.bmm(weights.unsqueeze(1), y.view(tokens, per_token, -1)).squeeze(1)
 
@@ -151,7 +146,7 @@ class RoutedExperts(nn.Module):
         ``[T, E_local]`` (zero for the experts a token did not choose)."""
         dense_weights = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
         dense_weights.scatter_add_(1, ids, weights)
-        act = self._act(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))   # [E_local, T, I]
+        act = swiglu(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))   # [E_local, T, I]
         y = torch.bmm(act, self.down_proj.transpose(1, 2))                     # [E_local, T, H]
         return torch.einsum("te,eth->th", dense_weights, y)
 
@@ -166,7 +161,7 @@ class RoutedExperts(nn.Module):
         first_ids = torch.arange(1, self.num_local + 1, device=x.device)
         ends = torch.searchsorted(flat[order], first_ids, out_int32=True)               # [E_local]
         rows = x[order // experts.shape[1]]                                               # [N, H]
-        act = self._act(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
+        act = swiglu(torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends))
         y = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=ends)            # [N, H]
         position = torch.arange(flat.shape[0], device=x.device)
         y.masked_fill_(position[:, None] >= ends[-1], 0)    # rows past the last group are undefined

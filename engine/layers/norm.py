@@ -29,3 +29,9 @@ class RMSNorm(nn.Module):
             return out, x
         kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
+
+    def normalize_(self, x: torch.Tensor) -> torch.Tensor:
+        """``x = rms_norm(x) * weight`` in place (e.g. MLA's latent, a column slice of the
+        projection's output: no new tensor, no concatenation); returns ``x``."""
+        kernels.rms_norm(x, x, self.weight, self.eps)
+        return x

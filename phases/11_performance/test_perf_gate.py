@@ -47,7 +47,7 @@ def test_short_benchmark_report_is_complete(short_report, record_property):
     record_property("figures", figures)
     assert sorted(figures) == sorted(FIGURES)
     for name, figure in figures.items():
-        unit, higher, _ = FIGURES[name]
+        unit, higher = FIGURES[name]
         assert math.isfinite(figure["value"]) and figure["value"] > 0, f"{name}: {figure['value']}"
         assert (figure["unit"], figure["higher_is_better"]) == (unit, higher), name
     assert short_report["sections"]["qwen3"]["cuda_graphs"] and short_report["sections"]["deepseek"]["cuda_graphs"]
