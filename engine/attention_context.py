@@ -16,16 +16,22 @@ import torch
 
 @dataclass
 class AttentionContext:
+    """``is_prefill`` False: every token is a decode row (one query per sequence, paged decode
+    over ``block_tables`` / ``context_lens``). ``is_prefill`` True: the first
+    ``num_decode_tokens`` tokens are such decode rows (a mixed step) and the rest are prefill
+    chunks, laid out by ``cu_seqlens_q`` / ``cu_seqlens_k`` (offsets into the prefill tokens)."""
+
     is_prefill: bool
     slot_mapping: torch.Tensor                 # int64 [T]: flat cache slot of each token, -1 = padding
-    cu_seqlens_q: torch.Tensor | None = None   # int32 [B+1], prefill: query tokens per sequence
-    cu_seqlens_k: torch.Tensor | None = None   # int32 [B+1], prefill: context tokens per sequence
+    cu_seqlens_q: torch.Tensor | None = None   # int32 [P+1], prefill: query tokens per prefill sequence
+    cu_seqlens_k: torch.Tensor | None = None   # int32 [P+1], prefill: context tokens per prefill sequence
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     prefill_kv_slots: torch.Tensor | None = None  # int64 [Tk]: prefill reads K/V of every context token
                                                   # from these cache slots (set when a prefix is cached)
-    block_tables: torch.Tensor | None = None   # int32 [B, max_blocks], decode
-    context_lens: torch.Tensor | None = None   # int32 [B], decode: tokens in cache incl. this step's
+    block_tables: torch.Tensor | None = None   # int32 [D, max_blocks], decode rows
+    context_lens: torch.Tensor | None = None   # int32 [D], decode rows: tokens in cache incl. this step's
+    num_decode_tokens: int = 0                 # prefill steps: leading decode rows (a mixed step)
 
 
 _CONTEXT: AttentionContext | None = None

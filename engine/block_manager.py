@@ -1,21 +1,21 @@
 """Paged KV block allocator with reference counts and prefix caching. Pure Python.
 
 Block ``i`` of a sequence holds the KV of its tokens ``[i * block_size, (i + 1) * block_size)``.
-A block whose tokens are all known and computed is identified by a chain hash of
-its tokens and every token before it, so a later prompt with the same prefix
-reuses the block (reference counted) instead of recomputing it. Partially filled
-blocks are never shared. A block's hash becomes findable only once its K/V is
-written (``publish``, called after the step that computed it, for the tokens computed
-so far: a prompt prefilled in chunks publishes block by block), so a failed or
-aborted forward never leaves a hash pointing at K/V that does not exist. Freed
-blocks keep their hash, and so stay reusable, until they are handed out again;
-the least recently freed block is handed out first.
+A full block whose K/V is written is identified by a chain hash of its tokens and
+every token before it, so a later prompt with the same prefix reuses the block
+(reference counted) instead of recomputing it. Partially filled blocks are never
+shared. A block is hashed and becomes findable only in ``publish``, called after the
+step that computed it has run, for the tokens computed so far (a prompt prefilled in
+chunks publishes block by block): a failed or aborted forward never leaves a hash
+pointing at K/V that does not exist, and a token sampled by a step still in flight
+(not yet known on the host) is never hashed. Freed blocks keep their hash, and so stay
+reusable, until they are handed out again; the least recently freed block is handed
+out first.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from bisect import bisect_left
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -47,8 +47,12 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        # request id -> table indices (ascending) of its hashed blocks whose K/V is not yet published
-        self._unpublished: dict[str, list[int]] = {}
+        # request id -> chain hashes of its full blocks computed so far, and how many are published
+        self._chains: dict[str, list[bytes]] = {}
+        self._num_published: dict[str, int] = {}
+        # hash -> how many sequences hold an allocated, not yet published prompt block of that hash
+        self._coming: dict[bytes, int] = {}
+        self._num_coming: dict[str, int] = {}  # request id -> its prompt blocks counted in _coming
         self._last_hashes: tuple[Sequence | None, int, list[bytes]] = (None, 0, [])
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -63,6 +67,15 @@ class BlockManager:
     def cached_prefix_len(self, seq: Sequence) -> int:
         """Prompt tokens that ``allocate(seq)`` would find cached right now."""
         return len(self._prefix_hits(seq, self._full_block_hashes(seq))) * self.block_size
+
+    def prefix_is_coming(self, seq: Sequence) -> bool:
+        """True when the first prompt block of ``seq`` that is not a prefix-cache hit now is being
+        computed for another sequence (allocated, not yet published): admitted one step later,
+        ``seq`` would share it instead of computing it again."""
+        hashes = self._full_block_hashes(seq)
+        hits = self._prefix_hits(seq, hashes)
+        shareable = min(len(hashes), (seq.num_tokens - 1) // self.block_size)  # never the last prompt token's
+        return len(hits) < shareable and hashes[len(hits)] in self._coming
 
     def can_allocate(self, seq: Sequence, num_reserved: int = 0) -> bool:
         """True when ``allocate(seq)`` now would leave at least ``num_reserved`` blocks free."""
@@ -86,24 +99,23 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]
             self.ref_counts[block_id] += 1
-        table = list(hits)
-        for i in range(len(hits), self.blocks_for(seq.num_tokens)):
-            table.append(self._take_free_block())
-            if i < len(hashes):
-                self._record_hash(seq, i, table[-1], hashes[i])
-        seq.block_table = table
+        seq.block_table = hits + [self._take_free_block() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.num_cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self._chains[seq.request_id] = list(hashes)
+            self._num_published[seq.request_id] = len(hits)
+            self._num_coming[seq.request_id] = len(hashes)
+            for h in hashes[len(hits):]:
+                self._coming[h] = self._coming.get(h, 0) + 1
 
     def can_append(self, seq: Sequence) -> bool:
         """True when ``append_slot(seq)`` can succeed."""
         return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> None:
-        """Make sure the slot of the token at position ``seq.num_tokens - 1`` exists.
-
-        Called once before every decode step; takes a new block when the last one is
-        full. A block that this token completes is hashed, and findable after ``publish``.
-        """
+        """Make sure the slot of the token at position ``seq.num_tokens - 1`` exists (pending
+        tokens counted): called once before every decode step; takes a new block when the last
+        one is full."""
         pos = seq.num_tokens - 1
         table = seq.block_table
         if pos // self.block_size > len(table):
@@ -112,33 +124,36 @@ class BlockManager:
             if not self._free:
                 raise ValueError(f"no free block for {seq.request_id}; ask can_append first")
             table.append(self._take_free_block())
-        if self.enable_prefix_caching and pos % self.block_size == self.block_size - 1:
-            prefix_hash = self._block_hash[table[-2]] if len(table) > 1 else b""
-            start = pos + 1 - self.block_size
-            self._record_hash(seq, len(table) - 1, table[-1], chain_hash(prefix_hash, seq.token_ids[start:pos + 1]))
 
     def publish(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """The K/V of ``seq``'s first ``num_computed_tokens`` tokens is written: its hashed
-        blocks within them become prefix-cache hits for later sequences (the rest stay
-        unpublished until a later call covers them)."""
-        pending = self._unpublished.get(seq.request_id)
-        if not pending:
+        """The K/V of ``seq``'s first ``num_computed_tokens`` tokens is written (and those tokens
+        are known on the host): its full blocks within them are hashed and become prefix-cache
+        hits for later sequences."""
+        published = self._num_published.get(seq.request_id)
+        full = num_computed_tokens // self.block_size
+        if published is None or full <= published:
             return
-        done = bisect_left(pending, num_computed_tokens // self.block_size)
-        for i in pending[:done]:
-            block_id = seq.block_table[i]
-            self._hash_to_block[self._block_hash[block_id]] = block_id
-        if done == len(pending):
-            del self._unpublished[seq.request_id]
-        else:
-            del pending[:done]
+        chain, size = self._chains[seq.request_id], self.block_size
+        if len(chain) < full:
+            tokens = seq.token_ids
+            if len(tokens) < full * size:
+                raise ValueError(f"{seq.request_id}: cannot publish {full * size} tokens, {len(tokens)} are known")
+            for i in range(len(chain), full):
+                chain.append(chain_hash(chain[-1] if chain else b"", tokens[i * size:(i + 1) * size]))
+        for i in range(published, full):
+            block_id, h = seq.block_table[i], chain[i]
+            self._block_hash[block_id] = h
+            self._hash_to_block[h] = block_id
+        self._drop_coming(chain, published, min(full, self._num_coming[seq.request_id]))
+        self._num_published[seq.request_id] = full
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first; blocks reaching zero become free
-        (and keep their hash if it was published; an unpublished hash is dropped).
-        Clears ``seq.block_table`` and ``seq.num_cached_tokens``."""
-        for i in self._unpublished.pop(seq.request_id, ()):
-            self._block_hash[seq.block_table[i]] = None
+        (keeping the hash they were published with, if any). Clears ``seq.block_table`` and
+        ``seq.num_cached_tokens``."""
+        chain = self._chains.pop(seq.request_id, None)
+        if chain is not None:
+            self._drop_coming(chain, self._num_published.pop(seq.request_id), self._num_coming.pop(seq.request_id))
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
@@ -187,7 +202,10 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _record_hash(self, seq: Sequence, index: int, block_id: int, h: bytes) -> None:
-        """Block ``block_id``, at ``index`` of ``seq``'s table, holds the tokens hashing to ``h``."""
-        self._block_hash[block_id] = h
-        self._unpublished.setdefault(seq.request_id, []).append(index)
+    def _drop_coming(self, chain: list[bytes], start: int, end: int) -> None:
+        """Prompt blocks ``chain[start:end]`` of a sequence are published or freed: no longer coming."""
+        for h in chain[start:end]:
+            if self._coming[h] == 1:
+                del self._coming[h]
+            else:
+                self._coming[h] -= 1

@@ -14,17 +14,20 @@ import torch
 
 from engine.distributed import TPGroup
 from engine.layers.sampler import Sampler
-from engine.model_runner import unique_parameter_bytes
+from engine.model_runner import LaunchedStep, unique_parameter_bytes
+from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 
 class HFModelRunner:
-    """Same interface as ``ModelRunner``: ``run(seqs, is_prefill) -> list[int]``, ``release(seq)``,
+    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``,
     ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``).
 
     Each step feeds a sequence its scheduled tokens (a whole prompt, a prefill chunk, or the
     decode token) on top of its own transformers cache; ``release`` drops that cache, so a
-    preempted sequence starts again from its first token."""
+    preempted sequence starts again from its first token. It runs each step to the end at
+    launch and needs every input token known on the host (no step in flight: the engine runs
+    this backend without overlap)."""
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TPGroup,
                  block_size: int, max_num_seqs: int, max_model_len: int):
@@ -43,28 +46,29 @@ class HFModelRunner:
         self._caches: dict[str, object] = {}
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         rows = []
-        for seq in seqs:
-            rid, start = seq.request_id, seq.num_computed_tokens
-            ids = seq.token_ids[start:start + seq.num_scheduled_tokens] if is_prefill else [seq.last_token_id]
-            past = self._caches[rid] if start else None
-            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=past, use_cache=True)
-            self._caches[rid] = out.past_key_values
+        for seq, start, num in zip(batch.seqs, batch.starts, batch.num_tokens):
+            if start + num > seq.num_known_tokens:
+                raise RuntimeError("the hf backend runs without overlap: every input token must be known")
+            ids = [seq.last_token_id] if start == seq.num_known_tokens - 1 else seq.token_ids[start:start + num]
+            out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                             past_key_values=self._caches[seq.request_id] if start else None, use_cache=True)
+            self._caches[seq.request_id] = out.past_key_values
             rows.append(out.logits[0, -1])
-        return self._sample(torch.stack(rows), seqs).tolist()
+        return LaunchedStep(batch, self._sample(torch.stack(rows), batch))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.sampling_params for s in seqs]
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        params = [s.sampling_params for s in batch.seqs]
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
+        steps = [start + n - s.num_prompt_tokens for s, start, n in zip(batch.seqs, batch.starts, batch.num_tokens)]
         return self.sampler(logits, column([p.temperature for p in params], torch.float32),
                             column([p.top_k for p in params], torch.int64),
                             column([p.top_p for p in params], torch.float32),
-                            column([s.seed for s in seqs], torch.int64),
-                            column([s.num_output_tokens for s in seqs], torch.int64))
+                            column([s.seed for s in batch.seqs], torch.int64), column(steps, torch.int64))
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)

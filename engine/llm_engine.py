@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
 from engine.hf_runner import HFModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.qwen import QwenForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
@@ -138,6 +140,10 @@ class LLMEngine:
     On CUDA, decode replays CUDA graphs unless ``enforce_eager``. Under TP on CUDA the
     all-reduce uses the custom (symmetric-memory) path for small messages unless
     ``custom_all_reduce=False`` (NCCL only).
+    ``overlap`` (default True; the hf backend always runs without): each ``step`` launches the
+    next batch before it reads back the batch the previous ``step`` launched, so the host
+    schedules, stages and postprocesses while the device computes; False runs every step to
+    the end before returning (the synchronous loop, same tokens).
     """
 
     def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
@@ -145,7 +151,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
-                 custom_all_reduce: bool = True, admission: str = "watermark"):
+                 custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir)
         model_class = _model_class(config, inference_backend)
@@ -177,8 +183,6 @@ class LLMEngine:
             enable_prefix_caching = False  # each sequence runs its whole prompt in transformers' own cache
             self.runner = HFModelRunner(model_dir, device, dtype, self.tp, block_size, max_num_seqs, max_model_len)
         else:
-            from engine.model_runner import ModelRunner
-
             cuda_graphs = device.type == "cuda" and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
                                       max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class)
@@ -189,11 +193,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    self.eos_token_ids, admission)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
+        self.overlap = overlap and model_class is not None
+        self._in_flight: LaunchedStep | None = None
         self._requests: dict[str, _Request] = {}
         self._finished_unreported: list[str] = []
         self._ids = itertools.count()
         self._generation: list[str] = []
         self.num_steps = 0
+        self.host_seconds = 0.0  # time step() spent on the host, waits for the device excluded
         if self.tp.rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
 
@@ -201,6 +208,7 @@ class LLMEngine:
         r = self.runner
         kv_tokens = r.num_blocks * self.block_manager.block_size
         graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
+        graphs += ", overlapped steps" if self.overlap else ", synchronous steps"
         runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
         tp_detail = f" ({all_reduce_path()} all-reduce)" if self.tp.size > 1 else ""
         return (f"agent-infer: {self.config.architecture} ({runner}) from {self.model_dir} | {self.dtype} on "
@@ -229,6 +237,8 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         request_id = str(next(self._ids))
         seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id=request_id)
+        # text is read on rank 0; another rank needs it only to match stop strings (same decisions)
+        detokenize = detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop))
         detokenizer = IncrementalDetokenizer(self.tokenizer) if detokenize else None
         self._requests[request_id] = _Request(seq, detokenizer)
         if not self.scheduler.add(seq):
@@ -238,10 +248,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Finish an unfinished request with reason "abort"; its blocks are freed (at once, or
-        after the step that is writing them). False for an unknown or finished request."""
+        after the step in flight that holds it). False for an unknown or finished request."""
         if not self.scheduler.abort(request_id):
             return False
-        self.runner.release(self._requests[request_id].seq)
+        self._release_freed()
         self._finished_unreported.append(request_id)
         return True
 
@@ -256,7 +266,7 @@ class LLMEngine:
         streaming loop polls every step (``request_output`` once the request has finished)."""
         request = self._requests[request_id]
         text = request.detokenizer.text if request.detokenizer else ""
-        return text, request.seq.num_output_tokens, request.seq.is_finished
+        return text, len(request.seq.output_token_ids), request.seq.is_finished
 
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
@@ -269,38 +279,71 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch (a prefill or a decode step) and return the requests that
-        finished since the last step (rejected and aborted ones included)."""
-        batch, is_prefill = self.scheduler.schedule()
-        for seq in self.scheduler.preempted:
-            self.runner.release(seq)
-        if batch:
-            try:
-                token_ids = self.runner.run(batch, is_prefill)
-            except Exception:
-                for seq in self.scheduler.fail_in_flight():
-                    self._finish_request(seq)
-                raise
-            self.num_steps += 1
-            num_outputs = [seq.num_output_tokens for seq in batch]
-            for seq in self.scheduler.postprocess(batch, is_prefill, token_ids):
-                self._finish_request(seq)
-            for seq, before in zip(batch, num_outputs):
-                if seq.num_output_tokens > before:  # a prefill chunk short of the prompt's end adds none
-                    self._emit_text(seq)
-        elif self.scheduler.has_unfinished() and not self.scheduler.running:
+        """One engine iteration; returns the requests that finished since the last call (rejected
+        and aborted ones included).
+
+        Schedules the next batch and launches it. With overlap, the batch the previous call
+        launched is then read back and postprocessed while the new one runs (its tokens feed the
+        new batch on the device); without, the new batch is read back at once. A request that
+        ends at step N may have had step N+1 computed for it: that token is dropped. When no
+        request is left, or a decode found no free block while a step was in flight, the step
+        in flight is postprocessed first, so an idle engine holds no block."""
+        start, waited = time.perf_counter(), 0.0
+        try:
+            if self._in_flight is not None and self.scheduler.needs_drain:
+                waited += self._postprocess(self._take_in_flight())
+            batch = self.scheduler.schedule()
+            self._release_freed()  # preempted sequences
+            previous = self._in_flight
+            self._in_flight = self.runner.launch(batch, previous) if batch.seqs else None
+            self.num_steps += bool(batch.seqs)
+            if previous is not None:
+                waited += self._postprocess(previous)
+            if self._in_flight is not None and not (self.overlap and self.scheduler.has_unfinished()):
+                waited += self._postprocess(self._take_in_flight())
+        except Exception:
+            self._in_flight = None
+            self._finished_unreported += [seq.request_id for seq in self.scheduler.fail_in_flight()]
+            self._release_freed()
+            raise
+        finally:
+            self.host_seconds += time.perf_counter() - start - waited
+        if not batch.seqs and previous is None and self.scheduler.has_unfinished() and not self.scheduler.running:
             for seq in list(self.scheduler.waiting):  # nothing runs and nothing fits: never wait forever
                 self.scheduler.finish(seq.request_id, "rejected")
                 seq.reject_reason = "could not be scheduled on an idle engine"
-                self._finish_request(seq)
+                self._finished_unreported.append(seq.request_id)
+            self._release_freed()
         done, self._finished_unreported = self._finished_unreported, []
         return [self._requests[rid].output() for rid in done]
 
+    def _take_in_flight(self) -> LaunchedStep:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _postprocess(self, launched: LaunchedStep) -> float:
+        """Read back a launched step's tokens and hand them to the scheduler; detokenise the
+        new ones (a matched stop string ends its request). Returns the seconds spent waiting."""
+        start = time.perf_counter()
+        token_ids = launched.token_ids()
+        waited = time.perf_counter() - start
+        result = self.scheduler.postprocess(launched.batch, token_ids)
+        self._finished_unreported += [seq.request_id for seq in result.finished]
+        for seq in result.appended:
+            self._emit_text(seq)
+        self._release_freed()
+        return waited
+
+    def _release_freed(self) -> None:
+        """Drop the runner state of every sequence whose blocks the scheduler freed."""
+        for seq in self.scheduler.take_freed():
+            self.runner.release(seq)
+
     def _emit_text(self, seq: Sequence) -> None:
-        """Detokenise this step's token; a matched stop string ends the request there (the
-        stop string itself is not part of the text)."""
+        """Detokenise the token just read back; a matched stop string ends the request there
+        (the stop string itself is not part of the text)."""
         request = self._requests[seq.request_id]
-        if request.detokenizer is None or not seq.output_token_ids:
+        if request.detokenizer is None:
             return
         detok = request.detokenizer
         delta = detok.add(seq.output_token_ids[-1])
@@ -315,13 +358,9 @@ class LLMEngine:
             detok.text = detok.text[:min(hits)]
             if not seq.is_finished:
                 self.scheduler.finish(seq.request_id, "stop")
-                self._finish_request(seq)
+                self._finished_unreported.append(seq.request_id)
             else:
                 seq.finish_reason = "stop"
-
-    def _finish_request(self, seq: Sequence) -> None:
-        self.runner.release(seq)
-        self._finished_unreported.append(seq.request_id)
 
     # ---- the seed's convenience API ------------------------------------------------------------
 

@@ -1,15 +1,25 @@
-"""ModelRunner: one scheduled batch of sequences -> one forward -> one sampled token each.
+"""ModelRunner: one scheduled batch -> one forward -> one sampled token per sequence, launched
+without waiting for the device.
 
 The runner owns the model, its KV pool and the step metadata on the device.
-Each running sequence owns a row of a persistent device block table, written
-only where its block table grew since the last step; decode inputs land in
-static device buffers (the phase-11 CUDA graphs capture them). A step's host
-inputs are built with a few vectorised torch ops and reach the device in one
-copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
-With ``cuda_graphs`` (CUDA; any TP size, every rank capturing the same sizes) decode steps replay CUDA graphs captured
-once per batch size of a ladder up to ``max_num_seqs``: a batch is padded to the
-next captured size with rows that attend to one token of block 0 (whatever it
-holds; their output is dropped) and write nowhere (slot -1). Prefill stays eager; sampling runs after the replay.
+Each running sequence owns a row of a persistent device block table (written
+only where its block table grew since the last step) and of the sampling
+columns (temperature, top-p, top-k, seed; written once when it gets the row).
+A step's host inputs are built with a few vectorised torch ops and reach the
+device in one copy (pinned, non-blocking on CUDA); no Python loop runs over
+tokens. ``launch`` queues the forward and the sampling and returns a
+``LaunchedStep`` whose ids reach the host through a non-blocking copy; a
+token the previous step sampled (still pending on the host) is fed to this
+step on the device, from that step's ids.
+
+A step whose sequences each compute one token is a decode: its inputs land in
+static device buffers, and with ``cuda_graphs`` (CUDA; any TP size, every rank
+capturing the same sizes) it replays a CUDA graph captured once per batch size
+of a ladder up to ``max_num_seqs``: a batch is padded to the next captured size
+with rows that attend to one token of block 0 (whatever it holds; their output
+is dropped) and write nowhere (slot -1). Any other step is mixed and eager:
+decode rows first (paged decode attention), then prefill chunks (varlen
+attention over any cached prefix). Sampling runs after the forward.
 Nothing above the runner sees a tensor; nothing below it sees a Sequence.
 """
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -30,7 +41,11 @@ from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.layers.sampler import Sampler
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
+from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+# rows of the decode staging buffer and of ``decode_inputs`` (the graphs read the first three)
+IDS, POSITIONS, ROWS, STEPS, MOVE_TO, MOVE_FROM, SAMPLED = range(7)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -50,6 +65,49 @@ def unique_parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class LaunchedStep:
+    """A batch whose forward and sampling are queued on the device. ``sampled``: int64 ``[B]``
+    on the device, one id per batch entry (meaningless for an entry that does not sample).
+    On CUDA the ids start towards pinned host memory at once (non-blocking, an event records the
+    copy); ``token_ids()`` waits for them."""
+
+    def __init__(self, batch: ScheduledBatch, sampled: torch.Tensor):
+        self.batch, self.sampled = batch, sampled
+        self._index_of: dict[str, int] | None = None
+        self._host, self._copied = None, None
+        if sampled.is_cuda:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(sampled.device))
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for the step and the copy)."""
+        if self._copied is None:
+            return self.sampled.tolist()
+        self._copied.synchronize()
+        return self._host.tolist()
+
+    @property
+    def index_of(self) -> dict[str, int]:
+        """Request id -> its entry in the batch."""
+        if self._index_of is None:
+            self._index_of = {seq.request_id: i for i, seq in enumerate(self.batch.seqs)}
+        return self._index_of
+
+
+@dataclass
+class StepPlan:
+    """The host side of a step, per batch entry: its block-table / sampling-column ``rows``, its
+    sampler ``steps`` (output index), the ``sampled`` entries (temperature > 0) and the
+    ``moves`` (entry, index into the previous step's ids) of pending input tokens."""
+
+    rows: list[int]
+    steps: list[int]
+    sampled: list[int]
+    moves: list[tuple[int, int]]
+
+
 class ModelRunner:
     """Builds the model for ``config`` (``model_class``, default: routed by architecture) on
     ``device`` in ``dtype``, loads ``model_dir``'s weights
@@ -57,9 +115,10 @@ class ModelRunner:
     (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
     ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
 
-    ``run(seqs, is_prefill) -> list[int]``: one token per sequence, in order (from any thread:
-    the runner makes its device current).
-    ``release(seq)``: the sequence is finished or preempted; its block-table row is reused.
+    ``launch(batch, previous) -> LaunchedStep``: one token per batch entry, queued (from any
+    thread: the runner makes its device current).
+    ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
+    rows are reused.
     """
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -86,17 +145,24 @@ class ModelRunner:
         self.sampler = Sampler(tp)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        # one row per running sequence, plus the padding row (all block 0) graph padding reads
-        self.pad_row = max_num_seqs
-        self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Rows of the block table and the sampling columns: a running sequence holds one until it is
+        # released, which for a finished one waits for the step in flight, so up to twice
+        # max_num_seqs are held; plus the padding row (all block 0) graph padding reads.
+        self.pad_row = 2 * max_num_seqs
+        self.block_tables = torch.zeros(self.pad_row + 1, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.row_floats = torch.zeros(2, self.pad_row + 1, device=device)  # temperature, top_p
+        self.row_ints = torch.zeros(2, self.pad_row + 1, dtype=torch.int64, device=device)  # top_k, seed
         self._row_of: dict[str, int] = {}
         self._blocks_on_device: dict[str, int] = {}
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # static decode inputs: token ids, positions, block-table rows; and the gathered tables
-        self.decode_inputs = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=device)
-        # their host staging buffer (pinned on CUDA) and the event of its last copy to the device
-        self._decode_staging = torch.zeros(3, max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._staging_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._free_rows = list(range(self.pad_row - 1, -1, -1))
+        # static decode inputs (rows IDS..SAMPLED) and the gathered block tables
+        self.decode_inputs = torch.zeros(SAMPLED + 1, max_num_seqs, dtype=torch.int64, device=device)
+        # two host staging buffers (pinned on CUDA), used in turn, and the events of their last copies
+        cuda = device.type == "cuda"
+        self._decode_staging = [torch.zeros(SAMPLED + 1, max_num_seqs, dtype=torch.int64, pin_memory=cuda)
+                                for _ in range(2)]
+        self._staging_copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._staging_index = 0
         self.decode_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self._greedy = dict(
             temperatures=torch.zeros(max_num_seqs, device=device), top_ks=torch.zeros(max_num_seqs, dtype=torch.int64,
@@ -122,25 +188,22 @@ class ModelRunner:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue ``batch``'s forward and sampling without waiting for the device. ``previous``:
+        the step launched before, whose sampled ids feed the tokens of ``batch`` the host does
+        not know yet (required whenever ``batch`` holds such a token)."""
         with self._on_device():
-            return self._run(seqs, is_prefill)
+            plan = self.plan(batch, previous)
+            run = self._decode_step if batch.is_decode else self._mixed_step
+            logits, rows, steps, sampled = run(batch, plan, previous)
+            return LaunchedStep(batch, self._sample(logits, batch, plan.sampled, rows, steps, sampled))
 
-    def _run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        self._sync_block_tables(seqs)
-        if is_prefill:
-            input_ids, positions, ctx, last = self.prepare_prefill(seqs)
-            logits = self._forward(input_ids, positions, ctx, last)
-        elif self.graphs and len(seqs) <= max(self.graphs):
-            size = min(b for b in self.graphs if b >= len(seqs))
-            self._stage_decode(seqs, size)
-            graph, graph_logits = self.graphs[size]
-            graph.replay()
-            self.graph_replays += 1
-            logits = graph_logits[:len(seqs)]
-        else:
-            logits = self._forward(*self.prepare_decode(seqs))
-        return self.sample(logits, seqs).tolist()
+    def plan(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> StepPlan:
+        """The step's host-side inputs; gives new sequences their rows (``_sync_rows``)."""
+        steps = [start + n - seq.num_prompt_tokens for seq, start, n in zip(batch.seqs, batch.starts,
+                                                                             batch.num_tokens)]
+        sampled = [i for i, seq in enumerate(batch.seqs) if seq.sampling_params.temperature > 0]
+        return StepPlan(self._sync_rows(batch.seqs), steps, sampled, self._pending_moves(batch, previous))
 
     def _forward(self, input_ids, positions, ctx: AttentionContext, last: torch.Tensor | None = None):
         """Logits of the model under ``ctx`` (of the tokens at ``last`` when given, else every row)."""
@@ -152,25 +215,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished or preempted sequence's block-table row (no-op if it holds none);
-        a preempted sequence gets a fresh row, written from its new table, when it runs again."""
+        """Forget a finished or preempted sequence's rows (no-op if it holds none); a preempted
+        sequence gets a fresh row, written from its new table, when it runs again."""
         row = self._row_of.pop(seq.request_id, None)
         if row is not None:
             self._free_rows.append(row)
             del self._blocks_on_device[seq.request_id]
 
-    def _sync_block_tables(self, seqs: list[Sequence]) -> None:
-        """Give new sequences a row and write every block appended since the last step
+    def _sync_rows(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's row. A new sequence gets one, and its sampling parameters are written
+        into the row's sampling columns; every block appended since the last step is written
         into the device table: one copy of (row, column, block) triples, one index_put."""
-        rows, cols, blocks = [], [], []
+        rows, cols, blocks, new = [], [], [], []
         for seq in seqs:
             rid = seq.request_id
             row = self._row_of.get(rid)
             if row is None:
                 if not self._free_rows:
-                    raise RuntimeError(f"more running sequences than block-table rows ({self.block_tables.shape[0]})")
+                    raise RuntimeError(f"more sequences than block-table rows ({self.pad_row})")
                 row = self._row_of[rid] = self._free_rows.pop()
                 self._blocks_on_device[rid] = 0
+                new.append((row, seq))
             known, table = self._blocks_on_device[rid], seq.block_table
             if len(table) > known:
                 rows.append([row] * (len(table) - known))
@@ -181,77 +246,84 @@ class ModelRunner:
             update = torch.tensor([list(chain.from_iterable(part)) for part in (rows, cols, blocks)], dtype=torch.int64)
             update = to_device(update, self.device)
             self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
+        if new:
+            params = [seq.sampling_params for _, seq in new]
+            new_rows = to_device(torch.tensor([row for row, _ in new], dtype=torch.int64), self.device)
+            self.row_floats[:, new_rows] = to_device(torch.tensor(
+                [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32), self.device)
+            self.row_ints[:, new_rows] = to_device(torch.tensor(
+                [[p.top_k for p in params], [seq.seed for _, seq in new]], dtype=torch.int64), self.device)
+        return [self._row_of[s.request_id] for s in seqs]
+
+    @staticmethod
+    def _pending_moves(batch: ScheduledBatch, previous: LaunchedStep | None) -> list[tuple[int, int]]:
+        """(entry, index into ``previous.sampled``) for every entry whose input token is pending
+        on the host: ``previous`` sampled it, so it is read from ``previous``'s ids on the device
+        (a pending token is always a one-token entry's input)."""
+        moves = [i for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)) if start >= seq.num_known_tokens]
+        if not moves:
+            return []
+        if previous is None:
+            raise RuntimeError("the batch feeds tokens the host does not know, but no previous step was given")
+        index = previous.index_of
+        return [(i, index[batch.seqs[i].request_id]) for i in moves]
 
     def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slots (int64) of tokens at ``positions`` of the sequences in table ``rows``."""
         blocks = self.block_tables[rows, positions // self.block_size].long()
         return blocks * self.block_size + positions % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """(input_ids [T], positions [T], context, index of each sequence's last token [B]).
+    def _decode_step(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
+        """A decode step through the static buffers: the graph of the next captured size, else the
+        eager forward with the block tables cut to the longest context. Returns (logits [B, V],
+        rows, steps, sampled entries) on the device."""
+        n, size, graph = len(batch), len(batch), None
+        if self.graphs and n <= max(self.graphs):
+            size = min(b for b in self.graphs if b >= n)
+            graph, graph_logits = self.graphs[size]
+        self._stage_decode(batch, plan, size, previous)
+        if graph is not None:
+            graph.replay()
+            self.graph_replays += 1
+            logits = graph_logits[:n]
+        else:
+            logits = self._forward(*self._decode_inputs(n, -(-(max(batch.starts) + 1) // self.block_size)))
+        staged = self.decode_inputs
+        return logits, staged[ROWS, :n], staged[STEPS, :n], staged[SAMPLED, :len(plan.sampled)]
 
-        Each sequence runs its scheduled chunk: ``num_scheduled_tokens`` tokens from
-        ``num_computed_tokens`` on; the tokens before it (prefix-cache hits, earlier chunks)
-        already have K/V. When any sequence has such a computed prefix, ``prefill_kv_slots``
-        lists the cache slots of every context token up to the chunk's end."""
-        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64)
-        q_lens = torch.tensor([s.num_scheduled_tokens for s in seqs], dtype=torch.int64)
-        lens = computed + q_lens
-        rows = torch.tensor([self._row_of[s.request_id] for s in seqs], dtype=torch.int64)
-        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
-        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-        num_tokens = int(cu_q[-1])
-        ids = torch.tensor(list(chain.from_iterable(
-            s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens] for s in seqs)),
-            dtype=torch.int64)
-        positions = torch.arange(num_tokens) - torch.repeat_interleave(cu_q[:-1] - computed, q_lens)
-        token_rows = torch.repeat_interleave(rows, q_lens)
-        parts = [ids, positions, token_rows, cu_q, cu_k]
-        any_computed = bool(computed.any())
-        if any_computed:
-            context_positions = torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], lens)
-            parts += [context_positions, torch.repeat_interleave(rows, lens)]
-        sizes = [p.numel() for p in parts]
-        on_device = to_device(torch.cat(parts), self.device).split(sizes)
-        ids_d, positions_d, rows_d, cu_q_d, cu_k_d = on_device[:5]
-        ctx = AttentionContext(
-            is_prefill=True,
-            slot_mapping=self._slots(rows_d, positions_d),
-            cu_seqlens_q=cu_q_d.to(torch.int32),
-            cu_seqlens_k=cu_k_d.to(torch.int32),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(lens.max()),
-            prefill_kv_slots=self._slots(on_device[6], on_device[5]) if any_computed else None,
-        )
-        return ids_d, positions_d, ctx, cu_q_d[1:] - 1
-
-    def prepare_decode(self, seqs: list[Sequence]):
-        """(input_ids [B], positions [B], context) in the static decode buffers, the block tables
-        cut to the longest context (eager)."""
-        self._stage_decode(seqs, len(seqs))
-        width = -(-max(s.num_tokens for s in seqs) // self.block_size)
-        return self._decode_inputs(len(seqs), width)
-
-    def _stage_decode(self, seqs: list[Sequence], size: int) -> None:
-        """Write the step's token ids, positions and table rows into the first ``size`` columns
-        of the static ``decode_inputs`` (one host -> device copy); columns past ``len(seqs)``
-        are padding: token 0 at position 0 of the padding row."""
-        batch = len(seqs)
-        if self._staging_copied is not None:
-            self._staging_copied.synchronize()  # the previous step's copy has left the staging buffer
-        host = self._decode_staging
-        host[:2, batch:size] = 0
-        host[2, batch:size] = self.pad_row
-        host[:, :batch] = torch.tensor([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs],
-                                        [self._row_of[s.request_id] for s in seqs]], dtype=torch.int64)
+    def _stage_decode(self, batch: ScheduledBatch, plan: StepPlan, size: int, previous: LaunchedStep | None) -> None:
+        """Write the step into ``decode_inputs`` with one host -> device copy (from the staging
+        buffer not used by the previous step): token ids, positions, table rows and sampling steps
+        in the first ``size`` columns (columns past ``len(batch)`` are padding: token 0 at position 0
+        of the padding row), the pending-token moves and the sampled entries. Then the pending
+        tokens are read from ``previous``'s ids, on the device."""
+        n = len(batch)
+        self._staging_index ^= 1
+        host, copied = self._decode_staging[self._staging_index], self._staging_copied[self._staging_index]
+        if copied is not None:
+            copied.synchronize()  # this buffer's copy of two steps ago has left it
+        moves, sampled = plan.moves, plan.sampled
+        moved = {entry for entry, _ in moves}
+        host[IDS:ROWS, n:size] = 0
+        host[ROWS, n:size] = self.pad_row
+        ids = [0 if i in moved else seq.last_token_id for i, seq in enumerate(batch.seqs)]
+        host[IDS:MOVE_TO, :n] = torch.tensor([ids, batch.starts, plan.rows, plan.steps], dtype=torch.int64).view(4, n)
+        if moves:
+            host[MOVE_TO:SAMPLED, :len(moves)] = torch.tensor(moves, dtype=torch.int64).T
+        if sampled:
+            host[SAMPLED, :len(sampled)] = torch.tensor(sampled, dtype=torch.int64)
         self.decode_inputs.copy_(host, non_blocking=True)  # whole buffer: a column slice is not contiguous
-        if self._staging_copied is not None:
-            self._staging_copied.record(torch.cuda.current_stream(self.device))
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
+        if moves:
+            staged = self.decode_inputs
+            staged[IDS].index_put_((staged[MOVE_TO, :len(moves)],),
+                                   previous.sampled.index_select(0, staged[MOVE_FROM, :len(moves)]))
 
     def _decode_inputs(self, size: int, width: int):
         """Device ops only (what a graph captures): the step's context from the staged inputs.
         Padding rows (the padding row's table) write to slot -1 and attend to one token."""
-        input_ids, positions, rows = self.decode_inputs[:, :size]
+        input_ids, positions, rows = self.decode_inputs[:ROWS + 1, :size]
         tables = self.decode_tables[:size]
         torch.index_select(self.block_tables, 0, rows, out=tables)
         slots = torch.where(rows == self.pad_row, -1, self._slots(rows, positions))
@@ -259,12 +331,74 @@ class ModelRunner:
                                context_lens=(positions + 1).to(torch.int32))
         return input_ids, positions, ctx
 
+    def _mixed_step(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
+        """A step with prefill chunks: (logits [B, V], rows, steps, sampled entries) on the device,
+        the forward eager over ``prepare_mixed``'s inputs."""
+        input_ids, positions, ctx, last, rows, steps, sampled = self.prepare_mixed(batch, plan, previous)
+        return self._forward(input_ids, positions, ctx, last), rows, steps, sampled
+
+    def prepare_mixed(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
+        """The device inputs of a mixed step, from one host -> device copy: (input_ids [T],
+        positions [T], context, index of each entry's last token [B], rows [B], steps [B],
+        sampled entries [S]).
+
+        Entry i runs ``num_tokens[i]`` tokens from ``starts[i]`` on. The leading one-token entries
+        are the context's decode rows (paged decode over their block-table rows); the rest are
+        prefill chunks (varlen attention; when any chunk has a computed prefix, ``prefill_kv_slots``
+        lists the cache slots of every context token of every chunk). Pending input tokens are
+        read from ``previous``'s ids on the device."""
+        seqs, starts, nums, moves = batch.seqs, batch.starts, batch.num_tokens, plan.moves
+        num_decode = next((i for i, n in enumerate(nums) if n != 1), len(nums))
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        q_lens = torch.tensor(nums, dtype=torch.int64)
+        rows_t = torch.tensor(plan.rows, dtype=torch.int64)
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        num_tokens = int(cu_q[-1])
+        moved = {entry for entry, _ in moves}
+        ids = torch.tensor(list(chain.from_iterable(
+            [0] if i in moved else _known_tokens(seq, start, n) for i, (seq, start, n) in enumerate(zip(seqs, starts,
+                                                                                                        nums)))),
+            dtype=torch.int64)
+        positions = torch.arange(num_tokens) - torch.repeat_interleave(cu_q[:-1] - starts_t, q_lens)
+        prefill_lens = (starts_t + q_lens)[num_decode:]
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), prefill_lens.cumsum(0)])
+        cu_pq = cu_q[num_decode:] - cu_q[num_decode]
+        move_to = torch.tensor([int(cu_q[entry]) for entry, _ in moves], dtype=torch.int64)
+        move_from = torch.tensor([src for _, src in moves], dtype=torch.int64)
+        steps, sampled = torch.tensor(plan.steps, dtype=torch.int64), torch.tensor(plan.sampled, dtype=torch.int64)
+        parts = [ids, positions, torch.repeat_interleave(rows_t, q_lens), cu_q, rows_t, steps, sampled, cu_pq, cu_k,
+                 move_to, move_from]
+        any_computed = bool(starts_t[num_decode:].any())
+        if any_computed:
+            parts += [torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], prefill_lens),
+                      torch.repeat_interleave(rows_t[num_decode:], prefill_lens)]
+        on_device = to_device(torch.cat(parts), self.device).split([p.numel() for p in parts])
+        ids_d, positions_d, token_rows_d, cu_q_d, rows_d, steps_d, sampled_d, cu_pq_d, cu_k_d = on_device[:9]
+        to_d, from_d = on_device[9:11]
+        if moves:
+            ids_d.index_put_((to_d,), previous.sampled.index_select(0, from_d))
+        decode_rows = rows_d[:num_decode]
+        width = -(-(max(starts[:num_decode], default=0) + 1) // self.block_size)
+        ctx = AttentionContext(
+            is_prefill=True,
+            num_decode_tokens=num_decode,
+            slot_mapping=self._slots(token_rows_d, positions_d),
+            cu_seqlens_q=cu_pq_d.to(torch.int32),
+            cu_seqlens_k=cu_k_d.to(torch.int32),
+            max_seqlen_q=int(q_lens[num_decode:].max()),
+            max_seqlen_k=int(prefill_lens.max()),
+            prefill_kv_slots=self._slots(on_device[12], on_device[11]) if any_computed else None,
+            block_tables=self.block_tables.index_select(0, decode_rows)[:, :width] if num_decode else None,
+            context_lens=(positions_d[:num_decode] + 1).to(torch.int32) if num_decode else None,
+        )
+        return ids_d, positions_d, ctx, cu_q_d[1:] - 1, rows_d, steps_d, sampled_d
+
     def capture_decode_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each
         over the full block-table width so any context up to max_model_len replays it."""
         pool = None
         with torch.inference_mode(), self._on_device():
-            self._stage_decode([], max(sizes))  # every column padding while capturing
+            self._stage_decode(ScheduledBatch(), StepPlan([], [], [], []), max(sizes), None)  # every column padding
             for size in sorted(sizes, reverse=True):
                 def step(size=size):
                     return self._forward(*self._decode_inputs(size, self.max_blocks_per_seq))
@@ -281,23 +415,26 @@ class ModelRunner:
                 self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Token ids [B] for the last-token ``logits`` [B, V] under each sequence's parameters.
-        An all-greedy batch is one argmax; otherwise only the sampling rows draw, with the
-        candidate count and top-p pass decided here from the host-side parameters."""
-        batch = len(seqs)
-        params = [s.sampling_params for s in seqs]
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, sampled: list[int], rows: torch.Tensor,
+                steps: torch.Tensor, sampled_rows: torch.Tensor) -> torch.Tensor:
+        """Token ids [B] for the last-token ``logits`` [B, V]: each entry's parameters come from
+        its row's sampling columns (``rows``, device), its step from ``steps``. An all-greedy
+        batch is one argmax; otherwise only the ``sampled`` entries draw, with the candidate count
+        and top-p pass decided here from the host-side parameters."""
         if not sampled:
-            columns = {name: t[:batch] for name, t in self._greedy.items()}
+            columns = {name: t[:len(batch)] for name, t in self._greedy.items()}
             return self.sampler(logits, **columns, sampled_rows=self._no_rows)
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
-                             [0] * batch], dtype=torch.int64)
-        ints[3, :len(sampled)] = torch.tensor(sampled)
-        floats, ints = to_device(floats, self.device), to_device(ints, self.device)
-        top_ks = [params[i].top_k for i in sampled]
-        return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
-                            sampled_rows=ints[3, :len(sampled)],
+        params = [batch.seqs[i].sampling_params for i in sampled]
+        floats, ints = self.row_floats.index_select(1, rows), self.row_ints.index_select(1, rows)
+        top_ks = [p.top_k for p in params]
+        return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], steps, sampled_rows=sampled_rows,
                             max_top_k=max(top_ks) if min(top_ks) > 0 else None,
-                            use_top_k=max(top_ks) > 0, use_top_p=any(params[i].top_p < 1 for i in sampled))
+                            use_top_k=max(top_ks) > 0, use_top_p=any(p.top_p < 1 for p in params))
+
+
+def _known_tokens(seq: Sequence, start: int, num: int) -> list[int]:
+    """``seq``'s tokens ``[start, start + num)``, all known on the host (a decode's is its newest)."""
+    if num == 1 and start == seq.num_known_tokens - 1:
+        return [seq.last_token_id]
+    prompt = seq.prompt_token_ids
+    return prompt[start:start + num] if start + num <= len(prompt) else seq.token_ids[start:start + num]

@@ -1,22 +1,35 @@
-"""Prefill-first continuous batching with chunked prefill and preemption by recompute. Pure Python.
+"""Continuous batching with mixed prefill + decode steps, chunked prefill, preemption by
+recompute, and one step of lookahead. Pure Python.
 
-Every step is either one prefill batch or one decode batch (every running sequence, in
-admission order). A prefill batch first continues the running sequences whose prompt is
-only partly computed, then admits waiting sequences in FCFS order, all within
-``max_num_batched_tokens``: a prompt longer than what is left of that budget is prefilled in
-chunks over several steps, and a chunk that stops short of the prompt's end samples nothing.
-Decode runs only when no sequence is mid-prefill.
+Every step is one ``ScheduledBatch`` under ``max_num_batched_tokens``: first one token for
+every running sequence that decodes (admission order), then the next chunks of running
+sequences whose prompt is only partly computed, then waiting sequences admitted in FCFS
+order. A prompt longer than what is left of the budget is prefilled in chunks over several
+steps; a chunk that stops short of the prompt's end samples nothing. No decode waits for a
+prefill.
+
+Lookahead: the engine may schedule step N+1 while step N still runs on the device, so a
+sequence's newest token can be *pending* (sampled on the device, not yet read back).
+``schedule`` counts it (``Sequence.num_tokens``), the model runner feeds it from the device,
+and ``postprocess(batch, token_ids)`` — called for each batch in the order they were
+scheduled — makes it known. A sequence whose in-flight tokens already reach ``max_tokens``
+or ``max_model_len`` is not scheduled again; one that finishes on a token only the host can
+judge (EOS, a stop token id, a stop string, an abort) may have been scheduled once more:
+that step's token is dropped, and its blocks are freed when the last step holding it is
+postprocessed, never while a step may still write them.
 
 Admission (``admission``):
 
 - ``"watermark"`` (default): a waiting sequence starts when its blocks (after prefix-cache
   hits) fit while ``watermark_blocks`` stay free for the running sequences to grow into (no
-  watermark when nothing runs). When a decode step finds no free block for a running
-  sequence's next token, the newest running sequence is preempted (repeatedly, possibly the
-  sequence itself): its blocks are freed, it goes back to the FRONT of the waiting queue with
-  its generated tokens, and is later recomputed by prefilling prompt + output so far (its
-  published blocks are prefix-cache hits while they last). The oldest running sequence is never
-  preempted for a younger one, so it always progresses.
+  watermark when nothing runs). When a decode finds no free block for a running sequence's
+  next token, the newest running sequence is preempted (repeatedly, possibly the sequence
+  itself): its blocks are freed, it goes back to the FRONT of the waiting queue with its
+  generated tokens, and is later recomputed by prefilling prompt + output so far. The oldest
+  running sequence is never preempted for a younger one, so it always progresses. Preemption
+  happens only while no step is in flight: a decode that finds no block while one is sets
+  ``needs_drain`` (it and the newer decodes wait this step, nothing is admitted), and the
+  engine postprocesses the in-flight step before scheduling again.
 - ``"reserve"``: a sequence starts only when the cache can hold its worst case (prompt +
   max_tokens, capped by max_model_len) on top of the worst cases of all running sequences, so a
   running sequence can always append and nothing is ever preempted.
@@ -26,14 +39,15 @@ pool) is REJECTED at ``add``; anything else is admitted once the engine is idle,
 scheduler cannot deadlock.
 
 Prefix-cache hashes of a step's blocks are published in ``postprocess``, once that step's
-K/V exists and only for the tokens computed so far; sequences of one prefill batch therefore
-never share blocks computed in that same batch, and a failed step (``fail_in_flight``)
+K/V exists and only for the tokens computed so far; sequences prefilled in one step therefore
+never share blocks computed in that same step, and a failed step (``fail_in_flight``)
 publishes nothing.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -41,12 +55,48 @@ from engine.sequence import Sequence, SequenceStatus
 ADMISSION_POLICIES = ("watermark", "reserve")  # the first is the default
 
 
+@dataclass
+class ScheduledBatch:
+    """One step: sequence ``seqs[i]`` computes ``num_tokens[i]`` tokens from position
+    ``starts[i]`` on; ``samples[i]``: that chunk reaches the sequence's end, so the step samples
+    its next token (output index ``starts[i] + num_tokens[i] - num_prompt_tokens``). Decodes
+    come first. A token at a position the host does not know yet (``>= seq.num_known_tokens``
+    when the batch runs) was sampled by the previous step and must be fed from the device."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token (what a CUDA-graph decode step can replay)."""
+        return all(n == 1 for n in self.num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+@dataclass
+class StepResult:
+    """What ``postprocess`` made of a batch: the sequences that got a new token, in batch order
+    (their ``output_token_ids[-1]``), and those it finished."""
+
+    appended: list[Sequence]
+    finished: list[Sequence]
+
+
 class Scheduler:
     """Owns waiting/running sequences and assigns every status transition.
 
     ``watermark`` is the fraction of the pool (at least one block) that watermark admission
     leaves free. ``num_preemptions`` counts preemptions; ``preempted`` holds the sequences the
-    last ``schedule()`` preempted (the engine makes its runner forget them).
+    last ``schedule()`` preempted. ``take_freed()`` hands the engine the sequences whose blocks
+    were freed (finished or preempted) since it last asked, so it can drop their runner state.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -75,14 +125,22 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self._in_flight: list[Sequence] = []  # the batch between schedule() and postprocess()
+        self.needs_drain = False
+        self._unfinished: dict[str, Sequence] = {}  # waiting and running, by request id
+        self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed, oldest first
+        self._freed: list[Sequence] = []
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduled batches not yet postprocessed (at most two: one running, one being scheduled)."""
+        return len(self._in_flight)
 
     def add(self, seq: Sequence) -> bool:
         """Queue a WAITING sequence; False (and status REJECTED with ``reject_reason``)
         when it could never run."""
         if seq.status is not SequenceStatus.WAITING:
             raise ValueError(f"{seq.request_id} is {seq.status.name}, not WAITING")
-        if any(s.request_id == seq.request_id for s in (*self.waiting, *self.running)):
+        if seq.request_id in self._unfinished:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         reason = self._reject_reason(seq)
         if reason is not None:
@@ -90,58 +148,71 @@ class Scheduler:
             seq.reject_reason = reason
             return False
         self.waiting.append(seq)
+        self._unfinished[seq.request_id] = seq
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._unfinished)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences to run this step and whether it is a prefill; ``([], False)``
-        when nothing is waiting that fits and nothing is running. Each scheduled sequence
-        computes ``num_scheduled_tokens`` tokens from ``num_computed_tokens`` on. A non-empty
-        batch must be passed to ``postprocess`` before the next ``schedule``: its blocks'
-        K/V exist only once the model has run (prefix hits rely on that)."""
-        if self._in_flight:
-            raise RuntimeError("schedule() called again before postprocess() of the previous batch")
+    def take_freed(self) -> list[Sequence]:
+        """The sequences whose blocks were freed since the last call (finished or preempted)."""
+        freed, self._freed = self._freed, []
+        return freed
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step (possibly empty). At most one earlier batch may still be in flight
+        (not postprocessed); preemption happens only when none is. Each scheduled sequence's
+        ``num_computed_tokens`` already counts the step's tokens, and a sampling step adds a
+        pending token."""
+        if len(self._in_flight) > 1:
+            raise RuntimeError("schedule() with two batches in flight: postprocess() the oldest first")
         self.preempted = []
-        batch, is_prefill = self._schedule_prefill(), True
-        if not batch:
-            batch, is_prefill = self._schedule_decode(), False
-        self._in_flight = batch
-        return batch, is_prefill
+        self.needs_drain = False
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens - self._schedule_decodes(batch)
+        prefilling = False
+        for seq in self.running:
+            if seq.status is SequenceStatus.RUNNING_PREFILL and budget > 0:
+                budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+                prefilling = True
+        if not self.needs_drain:
+            self._admit(batch, budget, prefilling)
+        if batch.seqs:
+            self._in_flight.append(batch)
+        return batch
 
-    def postprocess(self, seqs: list[Sequence], is_prefill: bool, token_ids: list[int]) -> list[Sequence]:
-        """Record the step's computed tokens (publishing their full blocks) and append one new
-        token per sequence whose context is now fully computed (a prefill chunk short of the end
-        gets none); finish (and free) those that sampled EOS (unless ignore_eos) or a stop token
-        id, or reached max_tokens or max_model_len. Sequences aborted since ``schedule`` get no
-        token; their blocks, whose K/V this step wrote, are freed now. Returns the sequences
-        this step finished."""
-        if len(seqs) != len(token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} token ids")
-        self._in_flight = []
-        finished = []
-        for seq, token_id in zip(seqs, token_ids):
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.publish(seq, seq.num_computed_tokens)
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> StepResult:
+        """Record a batch that has run (the oldest in flight): its computed tokens (publishing
+        their full blocks), and the token it sampled for each sequence whose chunk reached its
+        end; finish (and free) those that sampled EOS (unless ignore_eos) or a stop token id, or
+        reached max_tokens or max_model_len. A sequence finished since the batch was scheduled
+        gets no token (it is dropped; what the step computed from known tokens is still
+        published); its blocks are freed once no batch in flight holds it."""
+        if not self._in_flight or self._in_flight[0] is not batch:
+            raise RuntimeError("postprocess() takes the batches in the order they were scheduled")
+        if len(batch) != len(token_ids):
+            raise ValueError(f"{len(batch)} sequences but {len(token_ids)} token ids")
+        self._in_flight.popleft()
+        appended, finished = [], []
+        for seq, start, num, samples, token_id in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
+                                                       token_ids):
+            seq.num_in_flight -= 1
+            seq.num_pending_tokens -= samples
+            # the step's K/V exists now: publish it (a finished sequence's too, up to its known tokens)
+            self.block_manager.publish(seq, min(start + num, seq.num_known_tokens))
             if seq.is_finished:
-                self.block_manager.free(seq)
+                if seq.num_in_flight == 0:
+                    self._free(seq)
                 continue
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not samples:
                 continue  # a prefill chunk short of the end: its token is discarded
             seq.output_token_ids.append(token_id)
+            appended.append(seq)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                self.block_manager.free(seq)
+                self._finish(seq, reason)
                 finished.append(seq)
-            elif is_prefill:
-                seq.status = SequenceStatus.RUNNING_DECODE
-        if finished:
-            self.running = [s for s in self.running if not s.is_finished]
-        return finished
+        return StepResult(appended, finished)
 
     def abort(self, request_id: str) -> bool:
         """``finish(request_id, "abort")``."""
@@ -149,58 +220,91 @@ class Scheduler:
 
     def finish(self, request_id: str, reason: str) -> bool:
         """Finish a waiting or running sequence with ``reason`` (e.g. "abort", or "stop" for a
-        stop string the engine matched) and free its blocks (for a sequence in the batch being
-        run: at that batch's ``postprocess``, once its K/V is written, so no prefix hit can land
-        on blocks never computed); False when no unfinished sequence has this id."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    if not any(seq is s for s in self._in_flight):
-                        self.block_manager.free(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = reason
-                    return True
-        return False
+        stop string the engine matched) and free its blocks (for a sequence a batch in flight
+        holds: when the last such batch is postprocessed, once its K/V is written, so no prefix
+        hit lands on blocks never computed and no step writes a block handed to another
+        sequence); False when no unfinished sequence has this id."""
+        seq = self._unfinished.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
 
     def fail_in_flight(self) -> list[Sequence]:
-        """The scheduled batch's forward failed: finish its sequences with reason "error" and
-        free their blocks without publishing any hash (their K/V may not exist). Returns the
-        sequences it finished."""
-        failed = [s for s in self._in_flight if not s.is_finished]
-        for seq in self._in_flight:
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "error"
-        self._in_flight = []
-        self.running = [s for s in self.running if not s.is_finished]
+        """A scheduled batch's forward failed: finish every sequence of every batch in flight
+        with reason "error" and free their blocks without publishing any hash (their K/V may not
+        exist). Returns the sequences it finished."""
+        failed = []
+        for batch in self._in_flight:
+            for seq in batch.seqs:
+                seq.num_in_flight = 0
+                seq.num_pending_tokens = 0
+                if not seq.is_finished:
+                    self._finish(seq, "error")
+                    failed.append(seq)
+                elif seq.block_table:
+                    self._free(seq)
+        self._in_flight.clear()
         return failed
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        """Next chunks of the running sequences still prefilling (in admission order), then
-        waiting sequences in FCFS order while they fit the sequence and block budgets and
-        their uncached tokens fit what is left of the token budget; only the first sequence of
-        a batch may be cut into chunks. (Sequences prefilled in one step cannot share the
-        prefix blocks they compute, so a prompt that would be cut waits for the next step.)
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, num: int) -> int:
+        """Schedule ``num`` tokens of ``seq`` from ``num_computed_tokens`` on; returns ``num``."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num
+        samples = seq.num_computed_tokens == seq.num_tokens
+        if samples:
+            seq.num_pending_tokens += 1
+            seq.status = SequenceStatus.RUNNING_DECODE
+        seq.num_in_flight += 1
+        batch.seqs.append(seq)
+        batch.starts.append(start)
+        batch.num_tokens.append(num)
+        batch.samples.append(samples)
+        return num
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> int:
+        """One token for every decoding sequence, oldest first, with a slot for it; a sequence
+        with no free block for it preempts the newest running ones (itself last) when nothing is
+        in flight, else it and the newer decodes wait (``needs_drain``). Sequences whose pending
+        tokens already end them are skipped. Returns the tokens scheduled."""
+        bm = self.block_manager
+        can_preempt = not self._in_flight
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING_DECODE or self._ends_in_flight(seq):
+                continue  # preempted by an older sequence in this loop, prefilling, or ending
+            while not bm.can_append(seq) and can_preempt:
+                self._preempt(self.running[-1])
+                if seq.status is SequenceStatus.WAITING:
+                    break
+            if seq.status is SequenceStatus.WAITING:
+                continue
+            if not bm.can_append(seq):
+                self.needs_drain = True
+                break
+            bm.append_slot(seq)
+            self._add(batch, seq, 1)
+        return len(batch.seqs)
+
+    def _admit(self, batch: ScheduledBatch, budget: int, prefilling: bool) -> None:
+        """Admit waiting sequences in FCFS order while they fit the sequence and block budgets and
+        the token budget left; only the first prompt of a step may be cut into chunks (sequences
+        prefilled in one step cannot share the prefix blocks they compute, so a prompt that
+        would be cut waits for the next step).
 
         A sequence gets blocks for its whole context when it is admitted, not chunk by
         chunk: admission is the one place that decides whether it fits, so a later chunk
         never waits for a block and no prefill ever needs preempting."""
-        budget = self.max_num_batched_tokens
-        batch = []
-        for seq in self.running:
-            if budget == 0:
-                return batch
-            if seq.status is SequenceStatus.RUNNING_PREFILL:
-                budget -= self._schedule_chunk(seq, budget)
-                batch.append(seq)
         bm = self.block_manager
         reserve = self.admission == "reserve"
         reserved = sum(self._max_blocks(s) - len(s.block_table) for s in self.running) if reserve else 0
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if batch and seq.num_tokens - bm.cached_prefix_len(seq) > budget:
+            if prefilling and seq.num_tokens - bm.cached_prefix_len(seq) > budget:
                 break
+            if bm.prefix_is_coming(seq):
+                break  # its prefix is being computed for another sequence: share it a step later
             if reserve:
                 growth = self._max_blocks(seq) - bm.blocks_for(seq.num_tokens)
                 if not bm.can_allocate(seq, num_reserved=reserved + growth):
@@ -213,39 +317,45 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             self.waiting.popleft()
             self.running.append(seq)
-            budget -= self._schedule_chunk(seq, budget)
-            batch.append(seq)
-        return batch
-
-    @staticmethod
-    def _schedule_chunk(seq: Sequence, budget: int) -> int:
-        """Schedule ``seq``'s next prefill chunk of at most ``budget`` tokens; returns its size."""
-        seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        return seq.num_scheduled_tokens
-
-    def _schedule_decode(self) -> list[Sequence]:
-        """Every running sequence, oldest first, with a slot for its newest token; a sequence
-        with no free block for it preempts the newest running ones (itself last)."""
-        batch = []
-        while len(batch) < len(self.running):
-            seq = self.running[len(batch)]
-            if self.block_manager.can_append(seq):
-                self.block_manager.append_slot(seq)
-                seq.num_scheduled_tokens = 1
-                batch.append(seq)
-            else:
-                self._preempt(self.running.pop())
-        return batch
+            budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            prefilling = True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the front of the waiting queue, keeping its
         output: it is recomputed (prompt + output so far) when admitted again."""
+        if seq.num_in_flight:
+            raise RuntimeError(f"{seq.request_id} is preempted while a step in flight holds it")
+        self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.preempted.append(seq)
+        self._freed.append(seq)
         self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End an unfinished sequence: out of the queues now, its blocks freed once no batch in
+        flight holds it."""
+        del self._unfinished[seq.request_id]
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.num_in_flight == 0:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self._freed.append(seq)
+
+    # ---- limits ------------------------------------------------------------------------------
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Its pending tokens already reach max_tokens or max_model_len: nothing more to compute."""
+        return seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _max_blocks(self, seq: Sequence) -> int:
         """Most KV blocks ``seq`` can ever hold: every token but the last sampled one
@@ -263,9 +373,10 @@ class Scheduler:
         return None
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Why the token just read back ends ``seq`` (None: it continues); counts known tokens only."""
         params = seq.sampling_params
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return "length"
         return None

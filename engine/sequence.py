@@ -16,9 +16,9 @@ MAX_SEED = 2**63 - 1
 
 class SequenceStatus(enum.Enum):
     """WAITING -> RUNNING_PREFILL -> RUNNING_DECODE -> FINISHED, or REJECTED at add time;
-    RUNNING_DECODE -> WAITING when the scheduler preempts a sequence (it is recomputed).
-    A prefill of several chunks stays RUNNING_PREFILL until its last chunk has run.
-    The scheduler assigns every transition explicitly."""
+    RUNNING_PREFILL / RUNNING_DECODE -> WAITING when the scheduler preempts a sequence (it is
+    recomputed). A prompt of several chunks stays RUNNING_PREFILL until its last chunk is
+    scheduled (that step samples its first token). The scheduler assigns every transition."""
 
     WAITING = "waiting"
     RUNNING_PREFILL = "running_prefill"
@@ -74,12 +74,16 @@ def _is_int(x) -> bool:
 class Sequence:
     """One request: prompt and output token ids, status, and the KV blocks it owns.
 
+    ``output_token_ids`` holds the tokens read back to the host; ``num_pending_tokens`` more
+    have been sampled by steps still in flight (the engine keeps one step in flight while it
+    schedules the next) and are not known here yet. ``num_tokens`` / ``num_output_tokens``
+    count the pending ones too: they are the sequence's length once its in-flight steps land,
+    which is what scheduling (positions, slots, budgets) works with.
+
     ``block_table`` and ``num_cached_tokens`` (prompt tokens found in the prefix cache at
     allocation) belong to the BlockManager; ``status``, ``finish_reason``, ``reject_reason``,
-    ``num_computed_tokens`` (tokens whose K/V is in the cache once the in-flight step is
-    postprocessed, not counting that step) and ``num_scheduled_tokens`` (tokens the in-flight step
-    computes: ``token_ids[num_computed_tokens:num_computed_tokens + num_scheduled_tokens]``) to
-    the Scheduler.
+    ``num_computed_tokens`` (tokens whose K/V is written once every scheduled step has run) and
+    ``num_in_flight`` (scheduled steps holding this sequence not yet postprocessed) to the Scheduler.
     ``seed`` is the request's sampling seed, drawn on the host when none is given.
     """
 
@@ -92,6 +96,7 @@ class Sequence:
         self.request_id = request_id if request_id is not None else uuid.uuid4().hex
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_pending_tokens = 0
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         seed = self.sampling_params.seed
         self.seed = seed if seed is not None else random.getrandbits(63)
@@ -102,15 +107,21 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
-        self.num_scheduled_tokens = 0
+        self.num_in_flight = 0
 
     @property
     def token_ids(self) -> list[int]:
+        """Prompt and output tokens known on the host (pending ones not included)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens known on the host: the first ``num_known_tokens`` of the sequence."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def last_token_id(self) -> int:
-        """The newest token (the one a decode step feeds), without building ``token_ids``."""
+        """The newest known token, without building ``token_ids``."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
@@ -119,11 +130,11 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -131,4 +142,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, blocks={self.block_table})")
+                f"output={len(self.output_token_ids)}+{self.num_pending_tokens} pending, blocks={self.block_table})")

@@ -44,15 +44,15 @@ def warm_up(engine, rng: random.Random) -> None:
 
 def measure_ttft(engine, rng: random.Random, requested: int, repeats: int) -> dict:
     """Time to first token of a ``requested``-token prompt (clamped to what the engine admits):
-    add_request until the prefill step that samples the token returns, median of ``repeats``
-    fresh random prompts (no prefix-cache hits)."""
+    add_request until the engine reports the one-token request finished (its token read back),
+    median of ``repeats`` fresh random prompts (no prefix-cache hits)."""
     length = min(requested, engine.max_model_len - 1, engine.scheduler.max_num_batched_tokens)
     times = []
     for _ in range(repeats):
         prompt = random_prompt(rng, length, engine.config.vocab_size)
         start = time.perf_counter()
         rid = engine.add_request(prompt, greedy(1), detokenize=False)
-        engine.step()
+        run_to_end(engine)
         times.append(time.perf_counter() - start)
         out = engine.pop_request(rid)
         assert out.finished and len(out.token_ids) == 1, out
@@ -61,22 +61,25 @@ def measure_ttft(engine, rng: random.Random, requested: int, repeats: int) -> di
 
 
 def measure_decode(engine, prompt: list[int], tokens: int) -> dict:
-    """B=1 decode: after the prefill step, time ``tokens`` decode steps of one request."""
+    """B=1 decode: from the first output token read back to the last, ``tokens`` more tokens
+    (one decode step each; with overlapped steps each step launches the next decode before it
+    reads the last one back)."""
     rid = engine.add_request(prompt, greedy(tokens + 1), detokenize=False)
-    engine.step()  # prefill: the first output token
-    steps = 0
-    start = time.perf_counter()
+    while not engine.request_progress(rid)[1]:
+        engine.step()  # the prefill, read back: the first output token
+    steps_before, start = engine.num_steps, time.perf_counter()
     with tqdm(total=tokens, desc="decode B=1", unit="tok") as bar:
         while engine.has_unfinished_requests():
+            before = engine.request_progress(rid)[1]
             engine.step()
-            steps += 1
-            bar.update()
+            bar.update(engine.request_progress(rid)[1] - before)
     seconds = time.perf_counter() - start
     out = engine.pop_request(rid)
     decoded = len(out.token_ids) - 1
-    assert decoded == steps == tokens, (decoded, steps, tokens)
-    return {"batch_size": 1, "prompt_len": len(prompt), "tokens": decoded, "steps": steps, "seconds": seconds,
-            "tok_s": decoded / seconds, "ms_per_token": 1e3 * seconds / decoded}
+    assert decoded == tokens, (decoded, tokens)
+    return {"batch_size": 1, "prompt_len": len(prompt), "tokens": decoded, "steps": engine.num_steps - steps_before,
+            "overlap": engine.overlap, "seconds": seconds, "tok_s": decoded / seconds,
+            "ms_per_token": 1e3 * seconds / decoded}
 
 
 class StepTimer:
@@ -151,7 +154,7 @@ def measure_step_split(engine, rng: random.Random, prompt_len: int, steps: int, 
     ids = [engine.add_request(random_prompt(rng, prompt_len, vocab), greedy(steps + 3), detokenize=False)
            for _ in range(batch)]
     engine.step()  # prefill
-    engine.step()  # one plain decode step
+    engine.step()  # one plain decode step (its input fed on the device when steps overlap)
     timer = StepTimer(engine.runner)
     timer.time_steps(engine, 1)  # sizes the GPU sleep from this step's dispatch time
     timer.clear()

@@ -14,7 +14,8 @@ class Attention(nn.Module):
     Stores this step's K/V in the cache bound by `engine.kv_cache`, then
     attends: prefill through `varlen_attention` (on this step's K/V, or on
     every context token read back from the cache when a prefix is cached),
-    decode through `paged_decode_attention` (T = B, one token per sequence).
+    decode through `paged_decode_attention` (one token per sequence); a mixed
+    step's leading decode rows go to the latter, its prefill chunks to the former.
     `Hq`, `Hk` are this rank's heads. The layer never allocates cache memory.
     """
 
@@ -38,11 +39,18 @@ class Attention(nn.Module):
         k_cache, v_cache = self.caches()
         if not kv_stored:
             kernels.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        if ctx.is_prefill:
-            if ctx.prefill_kv_slots is not None:
-                k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
-                v = self.v_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
-            return kernels.varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                            ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale, causal=True)
+        if not ctx.is_prefill:
+            return self._decode(q, ctx)
+        d = ctx.num_decode_tokens
+        if ctx.prefill_kv_slots is not None:
+            k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+            v = self.v_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+        else:
+            k, v = k[d:], v[d:]
+        prefill = kernels.varlen_attention(q[d:], k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                           ctx.max_seqlen_q, ctx.max_seqlen_k, self.scale, causal=True)
+        return torch.cat([self._decode(q[:d], ctx), prefill]) if d else prefill
+
+    def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
         return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables,
                                               ctx.context_lens, self.scale)

@@ -29,12 +29,12 @@ class MultiHeadLatentAttention(nn.Module):
 
     Prefill expands the latents (this step's, or every context token's read back from the
     cache when a prefix is cached) and runs ``varlen_attention`` with qk dim ``nope + rope``
-    and v dim ``v_head_dim``. Decode absorbs ``kv_b_proj`` into the query and the output
-    (``q_nope W_UK`` attends over the latent cache directly, the latent-space output goes
-    through ``W_UV``), so the cache is never expanded. TP: heads split over ranks
-    (``q_b_proj`` / ``q_proj`` / ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel);
-    the ``a`` projections are replicated. Softmax scale ``qk_head_dim ** -0.5``, times
-    YaRN's mscale² when YaRN is on.
+    and v dim ``v_head_dim``; a mixed step's leading decode rows take the decode path.
+    Decode absorbs ``kv_b_proj`` into the query and the output (``q_nope W_UK`` attends over
+    the latent cache directly, the latent-space output goes through ``W_UV``), so the cache
+    is never expanded. TP: heads split over ranks (``q_b_proj`` / ``q_proj`` / ``kv_b_proj``
+    column-parallel, ``o_proj`` row-parallel); the ``a`` projections are replicated. Softmax
+    scale ``qk_head_dim ** -0.5``, times YaRN's mscale² when YaRN is on.
     """
 
     def __init__(self, config: ModelConfig, ds: DeepseekConfig, tp: TPGroup):
@@ -75,7 +75,13 @@ class MultiHeadLatentAttention(nn.Module):
         latent = latent[:, None]  # [T, 1, rank + rope]
         self.rotary_emb(positions, q[..., self.nope_dim:], latent[..., self.kv_lora_rank:])
         kernels.store_kv_cache(latent, None, self.k_cache, None, ctx.slot_mapping)
-        out = self._prefill(q, latent, ctx) if ctx.is_prefill else self._decode(q, ctx)
+        if not ctx.is_prefill:
+            out = self._decode(q, ctx)
+        else:
+            d = ctx.num_decode_tokens
+            out = self._prefill(q[d:], latent[d:], ctx)
+            if d:
+                out = torch.cat([self._decode(q[:d], ctx), out])
         return self.o_proj(out.flatten(1))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:

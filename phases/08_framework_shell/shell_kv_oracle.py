@@ -1,8 +1,9 @@
 """A model of the paged KV cache for the block manager and scheduler tests.
 
 The KV at position p depends on tokens 0..p, so each slot records the token
-prefix it was computed from. Reading a slot that holds any other prefix means a
-block was shared, reused or overwritten wrongly.
+prefix it was computed from (None when a token of it was never known on the host:
+a step computed for a sequence that had already finished). Reading a slot that
+holds any other prefix means a block was shared, reused or overwritten wrongly.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class KVOracle:
         """Compute positions [start, end) of ``seq`` into its slots."""
         tokens = seq.token_ids
         for pos in range(start, end):
-            self.slots[self.slot(seq, pos)] = tuple(tokens[:pos + 1])
+            self.slots[self.slot(seq, pos)] = tuple(tokens[:pos + 1]) if pos < len(tokens) else None
 
     def check(self, seq: Sequence, end: int) -> None:
         """Every position in [0, end) of ``seq`` reads the KV of its own prefix."""

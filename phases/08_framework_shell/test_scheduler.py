@@ -1,5 +1,6 @@
-"""Scheduler: prefill-first FCFS batching, chunked prefill, watermark admission with preemption by
-recompute, reserve admission without, budgets, REJECTED, abort."""
+"""Scheduler: mixed decode + prefill steps, chunked prefill, watermark admission with preemption by
+recompute, reserve admission without, one step of lookahead (a step scheduled while the previous
+one is in flight), budgets, REJECTED, abort."""
 import random
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.sequence import SequenceStatus as S
 from shell_kv_oracle import KVOracle
@@ -15,7 +16,8 @@ from shell_kv_oracle import KVOracle
 EOS = 0
 ALLOWED_TRANSITIONS = {
     (S.WAITING, S.RUNNING_PREFILL), (S.WAITING, S.FINISHED),
-    (S.RUNNING_PREFILL, S.RUNNING_DECODE), (S.RUNNING_PREFILL, S.FINISHED),
+    (S.WAITING, S.RUNNING_DECODE),  # a whole prompt scheduled in one step (RUNNING_PREFILL in between)
+    (S.RUNNING_PREFILL, S.RUNNING_DECODE), (S.RUNNING_PREFILL, S.FINISHED), (S.RUNNING_PREFILL, S.WAITING),
     (S.RUNNING_DECODE, S.FINISHED), (S.RUNNING_DECODE, S.WAITING),
 }
 
@@ -30,10 +32,11 @@ def worst_case_blocks(seq: Sequence, max_model_len: int, block_size: int) -> int
 
 
 def expected_finish(seq: Sequence, token: int, max_model_len: int) -> str | None:
+    """Why ``token``, just appended, ends ``seq``, from the sequence's known tokens."""
     params = seq.sampling_params
     if (token == EOS and not params.ignore_eos) or token in params.stop_token_ids:
         return "stop"
-    if seq.num_output_tokens == params.max_tokens or seq.num_tokens >= max_model_len:
+    if len(seq.output_token_ids) == params.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length"
     return None
 
@@ -45,15 +48,21 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_
                      admission=admission), bm
 
 
-def run_to_completion(sched: Scheduler, token: int = 5, max_steps: int = 1000) -> list[tuple[list[str], bool]]:
-    """Drive the scheduler like the engine, sampling ``token`` every time; returns the steps."""
+def entries(batch: ScheduledBatch) -> list[tuple[str, int, int]]:
+    """(request id, start, tokens) of every entry."""
+    return [(s.request_id, start, n) for s, start, n in zip(batch.seqs, batch.starts, batch.num_tokens)]
+
+
+def run_to_completion(sched: Scheduler, token: int = 5, max_steps: int = 1000) -> list[list[tuple[str, int]]]:
+    """Drive the scheduler synchronously, sampling ``token`` every time; returns each step's
+    (request id, tokens) entries."""
     steps = []
     while sched.has_unfinished():
         assert len(steps) < max_steps, "scheduler made no progress"
-        batch, is_prefill = sched.schedule()
-        assert batch, "nothing scheduled although requests are unfinished"
-        steps.append(([s.request_id for s in batch], is_prefill))
-        sched.postprocess(batch, is_prefill, [token] * len(batch))
+        batch = sched.schedule()
+        assert batch.seqs, "nothing scheduled although requests are unfinished"
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+        sched.postprocess(batch, [token] * len(batch))
     return steps
 
 
@@ -69,130 +78,169 @@ requests_strategy = st.lists(
 
 
 class StepChecker:
-    """Checks one scheduled step against the rules; owns the KV model and what each
-    sequence has been given so far (its outputs, where its next prefill chunk starts)."""
+    """Checks each scheduled step against the rules, and models the device: a batch "runs" (its
+    K/V is written into a ``KVOracle``) when it is read back, in schedule order, reading only
+    K/V its sequences' own tokens produced; tokens it sampled that the host dropped are garbage."""
 
     def __init__(self, sched: Scheduler, block_size: int):
         self.sched, self.bm = sched, sched.block_manager
         self.kv = KVOracle(block_size)
         self.outputs: dict[str, list[int]] = {}
-        self.chunk_start: dict[str, int] = {}  # request id -> first token of its next prefill chunk
+        self.chunk_start: dict[str, int] = {}  # request id -> first token of its next chunk
         self.tables: dict[str, list[int]] = {}
-        self.num_partial_chunks = 0
+        self.num_partial_chunks = self.num_mixed = self.num_dropped = self.num_drains = 0
 
     def before(self):
         """Snapshot the scheduler before ``schedule()``."""
-        sched, bm = self.sched, self.bm
+        sched = self.sched
         self.waiting, self.running = list(sched.waiting), list(sched.running)
-        head = self.waiting[0] if self.waiting else None
-        if head is None or len(self.running) >= sched.max_num_seqs:
-            self.head_fits = False
-        elif sched.admission == "watermark":
-            self.head_fits = bm.can_allocate(head, num_reserved=sched.watermark_blocks if self.running else 0)
+        self.decoding = [s for s in self.running if s.status is S.RUNNING_DECODE]
+        self.prefilling = [s for s in self.running if s.status is S.RUNNING_PREFILL]
+        self.due = [s for s in self.decoding  # not ended by its pending tokens
+                    if s.num_output_tokens < s.sampling_params.max_tokens and s.num_tokens < sched.max_model_len]
+        self.in_flight = sched.num_in_flight
+
+    def check(self, batch: ScheduledBatch):
+        sched, bm = self.sched, self.bm
+        seqs = batch.seqs
+        assert len(set(map(id, seqs))) == len(seqs) and len(sched.running) <= sched.max_num_seqs
+        assert batch.total_tokens <= sched.max_num_batched_tokens
+        preempted = sched.preempted
+        assert not preempted or (self.in_flight == 0 and sched.admission == "watermark"), \
+            "preempted while a step was in flight, or under reserve admission"
+        assert preempted == self.running[len(self.running) - len(preempted):][::-1], "preempt the newest first"
+        # decodes first, oldest first: every decoding sequence not ended by its pending tokens
+        due = [s for s in self.due if s not in preempted]
+        num_decode = next((i for i, s in enumerate(seqs) if s not in due), len(seqs))
+        assert seqs[:num_decode] == due[:num_decode], "decodes run first, in admission order"
+        if num_decode < len(due):
+            assert sched.needs_drain and self.in_flight, "a decode was left out"
+            self.num_drains += 1
+        # then the running prompts' next chunks, then admissions in FCFS order (preempted ones first)
+        partial = [s for s in self.prefilling if s not in preempted]
+        rest = seqs[num_decode:]
+        assert rest[:len(partial)] == partial[:len(rest)], "unfinished prompts continue next, in order"
+        admitted, queue = rest[len(partial):], preempted[::-1] + self.waiting
+        assert admitted == queue[:len(admitted)] and list(sched.waiting) == queue[len(admitted):], \
+            "admission takes the queue in order, preempted sequences first"
+        assert not admitted or not sched.needs_drain, "admitted while a decode waits for a block"
+        prefilling = bool(rest[:len(partial)])
+        for seq, start, n in zip(seqs, batch.starts, batch.num_tokens):
+            rid = seq.request_id
+            if seq in admitted:  # (re)admitted: hits are computed; it starts after them
+                assert start == seq.num_cached_tokens and seq.status in (S.RUNNING_PREFILL, S.RUNNING_DECODE)
+                assert not prefilling or start + n == seq.num_known_tokens, \
+                    "only a step's first prompt may be cut into chunks"
+                prefilling = True
+                self.chunk_start[rid] = start
+                self.tables[rid] = []  # a fresh table (a preempted sequence may be re-admitted at once)
+            assert start == self.chunk_start[rid], "a token computed twice or skipped"
+            assert n >= 1 and start + n <= seq.num_tokens
+            self.chunk_start[rid] = start + n
+            self.num_partial_chunks += start + n < seq.num_prompt_tokens
+            old = self.tables.get(rid, [])
+            assert seq.block_table[:len(old)] == old, "a running sequence lost blocks"
+            assert len(seq.block_table) * bm.block_size >= start + n, "no slot for a scheduled token"
+            self.tables[rid] = list(seq.block_table)
+        self.num_mixed += 0 < num_decode < len(seqs)
+        for seq in preempted:
+            if seq.status is S.WAITING:  # (else re-admitted at once, largely from its own published blocks)
+                assert seq.block_table == [] and seq.num_computed_tokens == 0
+                self.tables[seq.request_id] = []
+        self.check_head(batch, prefilling=len(seqs) > num_decode)
+
+    def check_head(self, batch: ScheduledBatch, prefilling: bool):
+        """Admission stopped for a reason: no seat, no budget, a decode waiting for a block, or the
+        queue's head does not fit (its blocks, or whole when a prompt is already prefilling)."""
+        sched, bm = self.sched, self.bm
+        budget = sched.max_num_batched_tokens - batch.total_tokens
+        if not sched.waiting or len(sched.running) >= sched.max_num_seqs or budget == 0 or sched.needs_drain:
+            return
+        head = sched.waiting[0]
+        if sched.admission == "watermark":
+            fits = bm.can_allocate(head, num_reserved=sched.watermark_blocks if sched.running else 0)
         else:  # its growth beyond the prompt and every running sequence's must stay free
             def growth(seq):
                 return worst_case_blocks(seq, sched.max_model_len, bm.block_size) - len(seq.block_table)
-            reserved = sum(map(growth, self.running)) + growth(head) - blocks(head.num_tokens, bm.block_size)
-            self.head_fits = bm.can_allocate(head, num_reserved=reserved)
+            reserved = sum(map(growth, sched.running)) + growth(head) - blocks(head.num_tokens, bm.block_size)
+            fits = bm.can_allocate(head, num_reserved=reserved)
+        cut = prefilling and head.num_tokens - bm.cached_prefix_len(head) > budget
+        assert not fits or cut or bm.prefix_is_coming(head), "a waiting request that fits was not admitted"
 
-    def check_prefill(self, batch: list[Sequence]):
-        sched = self.sched
-        partial = [s for s in self.running if s.status is S.RUNNING_PREFILL]
-        assert batch[:len(partial)] == partial[:len(batch)], "unfinished prompts must continue first, in order"
-        admitted = batch[len(partial):]
-        assert admitted == self.waiting[:len(admitted)], "prefill must take the waiting queue in order"
-        for seq in batch[1:]:
-            assert seq in partial or seq.num_scheduled_tokens == seq.num_tokens - seq.num_cached_tokens, \
-                "only a batch's first sequence may start a prompt in chunks"
-        assert sched.preempted == [] and all(s.status is S.RUNNING_PREFILL for s in batch)
-        assert sum(s.num_scheduled_tokens for s in batch) <= sched.max_num_batched_tokens
-        for seq in batch:
-            rid = seq.request_id
-            if seq in admitted:  # (re)admitted: hits are computed; it starts after them
-                assert seq.num_computed_tokens == seq.num_cached_tokens
-                self.chunk_start[rid] = seq.num_cached_tokens
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            assert start == self.chunk_start[rid] and start < end <= seq.num_tokens, "a token computed twice or skipped"
-            self.chunk_start[rid] = end
-            self.num_partial_chunks += end < seq.num_tokens
-            self.kv.check(seq, start)  # the computed prefix (hits, earlier chunks) holds its own K/V
-            self.kv.write(seq, start, end)
-            self.kv.check(seq, end)
-
-    def check_decode(self, batch: list[Sequence]):
-        sched = self.sched
-        assert not self.head_fits, "a waiting request that fits was not prefilled"
-        kept, preempted = self.running[:len(batch)], self.running[len(batch):]
-        assert batch == kept, "decode runs the running sequences in admission order, preempting the newest"
-        assert sched.preempted == preempted[::-1] and list(sched.waiting) == preempted + self.waiting
-        assert not preempted or sched.admission == "watermark", "reserve admission never preempts"
-        assert all(s.status is S.RUNNING_DECODE for s in batch), "decode while a prompt is half prefilled"
-        for seq in preempted:
-            assert seq.status is S.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
-            del self.tables[seq.request_id]
-        for seq in batch:
-            assert seq.num_scheduled_tokens == 1 and seq.num_computed_tokens == seq.num_tokens - 1
-            self.kv.write(seq, seq.num_tokens - 1, seq.num_tokens)
-            self.kv.check(seq, seq.num_tokens)
-
-    def check_tables(self, batch: list[Sequence]):
-        """A sequence keeps its blocks from admission until it finishes or is preempted."""
-        for seq in batch:
-            old = self.tables.get(seq.request_id, [])
-            assert seq.block_table[:len(old)] == old, "a running sequence lost blocks"
-            self.tables[seq.request_id] = list(seq.block_table)
-
-    def after(self, batch: list[Sequence], token_ids: list[int], finished: list[Sequence]):
+    def run(self, batch: ScheduledBatch, token_ids: list[int]):
+        """The device runs ``batch`` (read back now): check the context each entry reads, write
+        what it computes; then the scheduler postprocesses it."""
         sched, bm = self.sched, self.bm
-        for seq, token in zip(batch, token_ids):
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens):
+            assert seq.block_table, f"{seq.request_id}: its blocks were freed while a step in flight writes them"
+            if not seq.is_finished:  # a finished sequence's entry still runs: its token is dropped
+                self.kv.check(seq, start)  # the computed prefix (hits, earlier chunks) holds its own K/V
+            self.kv.write(seq, start, start + n)
+        was_finished = {s.request_id for s in batch.seqs if s.is_finished}
+        result = sched.postprocess(batch, token_ids)
+        appended = []
+        for seq, samples, token in zip(batch.seqs, batch.samples, token_ids):
             got = self.outputs.setdefault(seq.request_id, [])
-            if seq.status is S.RUNNING_PREFILL:  # a chunk short of the end samples nothing
-                assert seq.num_computed_tokens < seq.num_tokens and seq not in finished
-            else:
+            if seq.request_id in was_finished:
+                self.num_dropped += samples
+                assert seq.output_token_ids == got, "a token computed after the sequence finished reached it"
+                continue
+            if samples:
                 got.append(token)
+                appended.append(seq)
                 reason = expected_finish(seq, token, sched.max_model_len)
-                assert seq.finish_reason == reason and (seq in finished) == (reason is not None)
-                assert seq.status is (S.FINISHED if reason else S.RUNNING_DECODE)
+                assert seq.finish_reason == reason and (seq in result.finished) == (reason is not None)
             assert seq.output_token_ids == got, "output tokens lost or duplicated"
-        in_use = {b for s in sched.running for b in s.block_table}
+        assert result.appended == appended
+        in_flight = [s for b in sched._in_flight for s in b.seqs]
+        held = {b for s in [*sched.running, *in_flight] for b in s.block_table}
         assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
-        assert bm.num_free_blocks == bm.num_blocks - len(in_use), "blocks leaked or over-committed"
+        assert bm.num_free_blocks == bm.num_blocks - len(held), "blocks leaked or over-committed"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(admission=st.sampled_from(["watermark", "reserve"]), block_size=st.sampled_from([1, 2, 4]),
-       max_model_len=st.integers(2, 24), max_num_seqs=st.integers(1, 4), budget_slack=st.integers(-24, 8),
-       pool_slack=st.integers(-2, 6), requests=requests_strategy, seed=st.integers(0, 2**16))
-def test_scheduler_properties(admission, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack,
-                              requests, seed):
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(admission=st.sampled_from(["watermark", "reserve"]), overlap=st.booleans(),
+       block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(2, 24), max_num_seqs=st.integers(1, 4),
+       budget_slack=st.integers(-24, 8), pool_slack=st.integers(-2, 6), requests=requests_strategy,
+       seed=st.integers(0, 2**16))
+def test_scheduler_properties(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack,
+                              pool_slack, requests, seed):
     """Random workloads (shared prefixes, staggered arrivals, aborts, random tokens with EOS,
     token budgets below the prompt lengths, pools too small for every request at once) under
-    both admission policies, checked step by step against the rules and a model of the KV
-    cache: prefill chunks cover every prompt token exactly once, preempted sequences keep their
-    output and come back first, nothing leaks, every request finishes."""
-    run_workload(admission, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests, seed)
+    both admission policies, synchronous or with one step in flight, checked step by step
+    against the rules and a model of the KV cache: every token is computed exactly once, no
+    token computed after a sequence finished reaches it, preempted sequences keep their output
+    and come back first, no block is freed while a step in flight writes it, nothing leaks,
+    every request finishes."""
+    run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
+                 seed)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_size=st.sampled_from([1, 2]), max_model_len=st.integers(10, 24), max_num_seqs=st.integers(2, 4),
-       budget_slack=st.integers(-12, 4), pool_slack=st.integers(0, 4),
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(overlap=st.booleans(), block_size=st.sampled_from([1, 2]), max_model_len=st.integers(10, 24),
+       max_num_seqs=st.integers(2, 4), budget_slack=st.integers(-12, 4), pool_slack=st.integers(0, 4),
        requests=st.lists(st.fixed_dictionaries(dict(
            family=st.integers(0, 2), shared=st.integers(0, 8), tail=st.lists(st.integers(1, 5), min_size=1,
                                                                               max_size=3),
            max_tokens=st.integers(4, 12), ignore_eos=st.just(True), stop_token_ids=st.just([]),
            arrival=st.integers(0, 2), abort_at=st.one_of(st.none(), st.integers(0, 30)))), min_size=3, max_size=6),
        seed=st.integers(0, 2**16))
-def test_preemption_properties(block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests, seed):
+def test_preemption_properties(overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
+                               seed):
     """The same checks under memory pressure: long-running requests over a pool about one
-    request's worst case, so watermark admission preempts (and recomputes) often."""
-    sched = run_workload("watermark", block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
-                         seed)
+    request's worst case, so watermark admission preempts (and recomputes) often; with a step
+    in flight a decode that finds no block waits for the engine to drain it first."""
+    sched, checker = run_workload("watermark", overlap, block_size, max_model_len, max_num_seqs, budget_slack,
+                                  pool_slack, requests, seed)
     event(f"preemptions: {min(sched.num_preemptions, 3)}{'+' if sched.num_preemptions >= 3 else ''}")
+    event(f"drains: {checker.num_drains > 0}")
 
 
-def run_workload(admission, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
-                 seed) -> Scheduler:
-    """Drive a Scheduler through ``requests`` (arrivals, aborts, random tokens), checking every step."""
+def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
+                 seed) -> tuple[Scheduler, StepChecker]:
+    """Drive a Scheduler through ``requests`` (arrivals, aborts, random tokens) the way the engine
+    does — with ``overlap`` the next step is scheduled before the previous is read back, and a
+    ``needs_drain`` step reads it back first — checking every step."""
     rng = random.Random(seed)
     budget = max(max_num_seqs, max_model_len + budget_slack)
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
@@ -210,9 +258,19 @@ def run_workload(admission, block_size, max_model_len, max_num_seqs, budget_slac
         for seq in seqs:
             if seq.status is not history[seq.request_id][-1]:
                 history[seq.request_id].append(seq.status)
-    accepted, done = [], []
+
+    def read_back(batch):
+        check.run(batch, [rng.choice([EOS, 1, 2, 3, 4, 5, 6, 7, 8, 9]) for _ in batch.seqs])
+        record_transitions()
+        take_freed()
+
+    def take_freed():
+        freed.extend((s.request_id, s.is_finished) for s in sched.take_freed())
+
+    accepted, done, freed = [], [], []
+    in_flight = None
     step = 0
-    while step <= max(r["arrival"] for r in requests) or sched.has_unfinished():
+    while step <= max(r["arrival"] for r in requests) or sched.has_unfinished() or in_flight:
         assert step < 2000, "no progress"
         for seq, r in zip(seqs, requests):
             if r["arrival"] == step:
@@ -225,39 +283,45 @@ def run_workload(admission, block_size, max_model_len, max_num_seqs, budget_slac
                     accepted.append(seq)
             if r["abort_at"] == step and seq in accepted and not seq.is_finished:
                 assert sched.abort(seq.request_id)
-                done.append(seq)
+        take_freed()
+        if in_flight is not None and sched.needs_drain:
+            read_back(in_flight)
+            in_flight = None
         check.before()
-        batch, is_prefill = sched.schedule()
+        batch = sched.schedule()
         record_transitions()
-        if not batch:
-            assert not is_prefill and not sched.has_unfinished(), "idle although work could run"
-        assert len(set(map(id, batch))) == len(batch) and len(sched.running) <= max_num_seqs
-        if is_prefill:
-            check.check_prefill(batch)
-        elif batch:
-            check.check_decode(batch)
-        check.check_tables(batch)
-        tokens = [rng.choice([EOS, 1, 2, 3, 4, 5, 6, 7, 8, 9]) for _ in batch]
-        finished = sched.postprocess(batch, is_prefill, tokens)
-        check.after(batch, tokens, finished)
-        done.extend(finished)
-        record_transitions()
+        take_freed()
+        if not batch.seqs:
+            assert in_flight or not sched.running, "idle although work could run"
+        else:
+            check.check(batch)
+        previous, in_flight = in_flight, batch if batch.seqs else None
+        if previous is not None:
+            read_back(previous)
+        if in_flight is not None and not (overlap and sched.has_unfinished()):
+            read_back(in_flight)
+            in_flight = None
         for seq in seqs:
-            if seq.status is S.FINISHED:
-                assert seq.block_table == []
+            if seq.status is S.FINISHED and seq not in done:
+                done.append(seq)
+            if seq.is_finished and seq.num_in_flight == 0:
+                assert seq.block_table == [] and seq.num_pending_tokens == 0
         step += 1
     assert sorted(s.request_id for s in done) == sorted(s.request_id for s in accepted), "lost or duplicated"
     assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts)
     assert admission == "watermark" or sched.num_preemptions == 0
+    finished_freed = [rid for rid, finished in freed if finished]
+    assert sorted(finished_freed) == sorted(s.request_id for s in done), "a finished sequence freed twice or never"
     event(f"{admission}: {'preempted' if sched.num_preemptions else 'no preemption'}")
-    event(f"chunked prefill: {check.num_partial_chunks > 0}")
+    event(f"chunked prefill: {check.num_partial_chunks > 0}, mixed steps: {check.num_mixed > 0}")
+    event(f"lookahead tokens dropped: {check.num_dropped > 0}")
     for seq in accepted:
         path = history[seq.request_id]
         assert all(pair in ALLOWED_TRANSITIONS for pair in zip(path, path[1:])), path
-        assert path[-1] is S.FINISHED and seq.num_output_tokens <= seq.sampling_params.max_tokens
+        assert path[-1] is S.FINISHED and len(seq.output_token_ids) <= seq.sampling_params.max_tokens
         if seq.finish_reason == "length":
-            assert seq.num_output_tokens == seq.sampling_params.max_tokens or seq.num_tokens >= max_model_len
-    return sched
+            assert len(seq.output_token_ids) == seq.sampling_params.max_tokens or len(seq.token_ids) >= max_model_len
+    return sched, check
 
 
 def test_status_transitions_and_finish_reasons():
@@ -268,19 +332,20 @@ def test_status_transitions_and_finish_reasons():
     capped = Sequence([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=100), request_id="capped")
     seqs = [eos, ignore, stop_id, capped]
     assert all(sched.add(s) for s in seqs) and all(s.status is S.WAITING for s in seqs)
-    batch, is_prefill = sched.schedule()
-    assert is_prefill and batch == seqs and all(s.status is S.RUNNING_PREFILL for s in seqs)
-    assert sched.postprocess(batch, True, [3, EOS, 3, 3]) == []
-    assert all(s.status is S.RUNNING_DECODE for s in seqs)
-    batch, is_prefill = sched.schedule()
-    assert not is_prefill and batch == seqs
-    finished = sched.postprocess(batch, False, [EOS, 3, 7, 3])
+    batch = sched.schedule()
+    assert batch.seqs == seqs and all(batch.samples) and all(s.status is S.RUNNING_DECODE for s in seqs)
+    assert all(s.num_pending_tokens == 1 for s in seqs)
+    result = sched.postprocess(batch, [3, EOS, 3, 3])
+    assert result.finished == [] and result.appended == seqs and all(s.num_pending_tokens == 0 for s in seqs)
+    batch = sched.schedule()
+    assert batch.seqs == seqs and batch.is_decode
+    finished = sched.postprocess(batch, [EOS, 3, 7, 3]).finished
     assert finished == [eos, ignore, stop_id, capped]
     assert [s.finish_reason for s in finished] == ["stop", "length", "stop", "length"]
     assert capped.num_tokens == 8  # stopped at max_model_len
     assert all(s.status is S.FINISHED and not s.block_table for s in seqs)
-    assert not sched.has_unfinished() and sched.schedule() == ([], False)
-    assert bm.num_free_blocks == bm.num_blocks
+    assert not sched.has_unfinished() and len(sched.schedule()) == 0
+    assert bm.num_free_blocks == bm.num_blocks and sched.take_freed() == seqs
 
 
 @pytest.mark.parametrize("admission", ["watermark", "reserve"])
@@ -298,8 +363,8 @@ def test_impossible_prompts_are_rejected_while_others_proceed(admission):
     assert all(s.status is S.REJECTED for s in (too_long, too_big))
     assert sched.add(fine)
     steps = run_to_completion(sched)
-    assert all(ids == ["fine"] for ids, _ in steps) and fine.finish_reason == "length"
-    assert [p for _, p in steps] == [True, True, True, False, False] and fine.num_output_tokens == 3
+    assert steps == [[("fine", 4)], [("fine", 4)], [("fine", 2)], [("fine", 1)], [("fine", 1)]]
+    assert fine.finish_reason == "length" and len(fine.output_token_ids) == 3
 
 
 def test_abort_frees_blocks_wherever_the_sequence_is():
@@ -310,16 +375,16 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     running, waiting = Sequence([1, 2, 3], params), Sequence([4, 5, 6], params)
     sched.add(running)
     sched.add(waiting)
-    batch, _ = sched.schedule()
-    assert batch == [running] and bm.num_free_blocks < 8
+    batch = sched.schedule()
+    assert batch.seqs == [running] and bm.num_free_blocks < 8
     held = bm.num_free_blocks
     assert sched.abort(waiting.request_id) and waiting.finish_reason == "abort"
     assert sched.abort(running.request_id) and running.status is S.FINISHED
-    assert bm.num_free_blocks == held  # still being computed
+    assert bm.num_free_blocks == held and sched.take_freed() == [waiting]  # still being computed
     assert not sched.abort(running.request_id) and not sched.abort("unknown")
-    assert sched.postprocess(batch, True, [1]) == []  # aborted after schedule: no token
+    assert sched.postprocess(batch, [1]).appended == []  # aborted after schedule: no token
     assert running.output_token_ids == [] and running.block_table == [] and bm.num_free_blocks == 8
-    assert not sched.has_unfinished()
+    assert sched.take_freed() == [running] and not sched.has_unfinished()
 
 
 def test_abort_in_flight_never_lets_a_prefix_hit_land_on_uncomputed_blocks():
@@ -328,30 +393,104 @@ def test_abort_in_flight_never_lets_a_prefix_hit_land_on_uncomputed_blocks():
     sched, bm = make_scheduler(num_blocks=16, block_size=4)
     first = Sequence(list(range(1, 9)), SamplingParams(max_tokens=4))
     sched.add(first)
-    batch, _ = sched.schedule()
+    batch = sched.schedule()
     sched.abort(first.request_id)
-    with pytest.raises(RuntimeError, match="postprocess"):
-        sched.schedule()  # the engine must finish the step before scheduling the next
-    sched.postprocess(batch, True, [1])
     second = Sequence(list(range(1, 10)), SamplingParams(max_tokens=4))
     sched.add(second)
-    batch, _ = sched.schedule()
-    assert batch == [second] and second.num_cached_tokens == 8  # computed by first's finished step
+    assert len(sched.schedule()) == 0  # its prefix is being computed: it waits for it
+    sched.postprocess(batch, [1])
+    batch = sched.schedule()
+    assert batch.seqs == [second] and second.num_cached_tokens == 8  # computed by first's finished step
+
+
+def test_schedule_keeps_at_most_one_step_in_flight_and_postprocess_keeps_order():
+    sched, _ = make_scheduler()
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    sched.add(seq)
+    first = sched.schedule()
+    second = sched.schedule()  # lookahead: the decode of the token ``first`` samples
+    assert second.seqs == [seq] and second.starts == [3] and seq.num_pending_tokens == 2
+    with pytest.raises(RuntimeError, match="two batches in flight"):
+        sched.schedule()
+    with pytest.raises(RuntimeError, match="order"):
+        sched.postprocess(second, [5])
+    sched.postprocess(first, [5])
+    sched.postprocess(second, [6])
+    assert seq.output_token_ids == [5, 6] and seq.num_pending_tokens == 0
+
+
+def test_lookahead_token_of_a_finished_sequence_is_dropped():
+    """A sequence that samples EOS at step N was scheduled again in step N + 1 before the host
+    knew: step N + 1's token for it is dropped, and its blocks are freed only once step N + 1,
+    which writes them, is postprocessed."""
+    sched, bm = make_scheduler(num_blocks=8, block_size=2)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
+    sched.add(seq)
+    first = sched.schedule()
+    second = sched.schedule()
+    result = sched.postprocess(first, [EOS])
+    assert result.finished == [seq] and seq.output_token_ids == [EOS] and seq.finish_reason == "stop"
+    assert seq.block_table and sched.take_freed() == [] and not sched.has_unfinished()
+    result = sched.postprocess(second, [7])
+    assert result.appended == [] and seq.output_token_ids == [EOS] and seq.num_pending_tokens == 0
+    assert seq.block_table == [] and bm.num_free_blocks == 8 and sched.take_freed() == [seq]
+
+
+def test_a_sequence_whose_pending_tokens_end_it_is_not_scheduled_again():
+    """max_tokens and max_model_len are known before the token is read back: the lookahead step
+    leaves such a sequence out instead of computing a token that would be dropped."""
+    sched, _ = make_scheduler(max_model_len=5)
+    one = Sequence([1, 2], SamplingParams(max_tokens=1), request_id="one")
+    full = Sequence([1, 2, 3, 4], SamplingParams(max_tokens=9), request_id="full")
+    other = Sequence([7, 8], SamplingParams(max_tokens=9), request_id="other")
+    for s in (one, full, other):
+        sched.add(s)
+    first = sched.schedule()
+    second = sched.schedule()
+    assert second.seqs == [other]
+    assert [s.finish_reason for s in sched.postprocess(first, [5, 5, 5]).finished] == ["length", "length"]
+    sched.postprocess(second, [5])
+    assert one.output_token_ids == [5] and full.output_token_ids == [5] and other.output_token_ids == [5, 5]
+
+
+def test_no_preemption_while_a_step_is_in_flight():
+    """A decode that finds no free block while a step is in flight does not preempt (the
+    in-flight step still writes the victim's blocks): it and the newer decodes wait, nothing is
+    admitted, and ``needs_drain`` tells the engine to read the step back first; then the
+    newest is preempted as usual."""
+    sched, bm = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=3)
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), request_id="a")  # 3 blocks at most
+    b = Sequence([4], SamplingParams(max_tokens=4, ignore_eos=True), request_id="b")
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # a: 2 blocks, b: 1 block
+    second = sched.schedule()  # a's position 3 and b's position 1 fit their blocks
+    assert second.seqs == [a, b] and bm.num_free_blocks == 1
+    sched.postprocess(first, [5, 5])
+    third = sched.schedule()  # a takes the last block for position 4; b's position 2 finds none
+    assert third.seqs == [a] and sched.needs_drain and sched.preempted == [] and b.block_table
+    sched.postprocess(second, [5, 5])
+    sched.postprocess(third, [5])
+    fourth = sched.schedule()  # nothing in flight: b, the newest, is preempted
+    assert fourth.seqs == [a] and sched.preempted == [b] and not sched.needs_drain
+    assert b.status is S.WAITING and b.output_token_ids == [5, 5]
 
 
 def test_failed_step_publishes_nothing_and_frees_its_batch():
-    """A forward that raised: its sequences finish with reason "error", their blocks are
-    free, and no later request hits blocks whose K/V was never written."""
+    """A forward that raised: the sequences of every batch in flight finish with reason
+    "error", their blocks are free, and no later request hits blocks whose K/V was never written."""
     sched, bm = make_scheduler(num_blocks=16, block_size=4)
     first = Sequence(list(range(1, 9)), SamplingParams(max_tokens=4))
     sched.add(first)
     sched.schedule()
+    sched.schedule()
     assert sched.fail_in_flight() == [first]
     assert first.status is S.FINISHED and first.finish_reason == "error" and bm.num_free_blocks == 16
+    assert first.num_in_flight == 0 and first.num_pending_tokens == 0 and sched.num_in_flight == 0
     second = Sequence(list(range(1, 10)), SamplingParams(max_tokens=4))
     sched.add(second)
-    batch, _ = sched.schedule()
-    assert batch == [second] and second.num_cached_tokens == 0
+    batch = sched.schedule()
+    assert batch.seqs == [second] and second.num_cached_tokens == 0
 
 
 def test_finish_ends_a_running_sequence_with_the_given_reason():
@@ -359,28 +498,28 @@ def test_finish_ends_a_running_sequence_with_the_given_reason():
     sched, bm = make_scheduler(num_blocks=16, block_size=4)
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8))
     sched.add(seq)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, is_prefill, [5])
+    sched.postprocess(sched.schedule(), [5])
     assert sched.finish(seq.request_id, "stop")
     assert seq.status is S.FINISHED and seq.finish_reason == "stop" and bm.num_free_blocks == 16
     assert not sched.has_unfinished()
 
 
-def test_waiting_request_is_prefilled_before_running_ones_decode():
+def test_a_waiting_request_prefills_in_the_step_where_the_running_ones_decode():
+    """Mixed steps: no decode waits for a prefill; decodes come first."""
     sched, _ = make_scheduler()
     first, second = Sequence([1, 2, 3]), Sequence([4, 5])
     sched.add(first)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, is_prefill, [9])
+    sched.postprocess(sched.schedule(), [9])
     sched.add(second)
-    assert sched.schedule() == ([second], True)
-    sched.postprocess([second], True, [9])
-    assert sched.schedule() == ([first, second], False)
+    batch = sched.schedule()
+    assert entries(batch) == [(first.request_id, 3, 1), (second.request_id, 0, 2)] and batch.samples == [True, True]
+    sched.postprocess(batch, [9, 9])
+    assert sched.schedule().seqs == [first, second]
 
 
 @pytest.mark.parametrize("admission, expected", [
-    ("reserve", [(["big1"], True), (["big2", "small"], True)]),
-    ("watermark", [(["big1"], True), (["big2"], True), (["small"], True)]),  # small's block is the watermark
+    ("reserve", [[("big1", 6)], [("big2", 6), ("small", 1)]]),
+    ("watermark", [[("big1", 6)], [("big2", 6)], [("small", 1)]]),  # small's block is the watermark
 ])
 def test_fcfs_head_blocks_later_requests(admission, expected):
     """A waiting head that does not fit is not overtaken by a smaller request behind it."""
@@ -390,8 +529,7 @@ def test_fcfs_head_blocks_later_requests(admission, expected):
     small = Sequence([3], SamplingParams(max_tokens=1), request_id="small")     # 1 block: would fit
     for s in (big1, big2, small):
         sched.add(s)
-    steps = run_to_completion(sched)
-    assert steps == expected
+    assert run_to_completion(sched) == expected
 
 
 def test_tiny_pool_waits_and_never_preempts():
@@ -403,8 +541,8 @@ def test_tiny_pool_waits_and_never_preempts():
     sched.add(a)
     sched.add(b)
     steps = run_to_completion(sched)
-    assert steps == [(["a"], True), (["a"], False), (["a"], False), (["b"], True), (["b"], False), (["b"], False)]
-    assert a.num_output_tokens == b.num_output_tokens == 3 and bm.num_free_blocks == 3
+    assert steps == [[("a", 3)], [("a", 1)], [("a", 1)], [("b", 3)], [("b", 1)], [("b", 1)]]
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 3 and bm.num_free_blocks == 3
     assert sched.num_preemptions == 0
 
 
@@ -419,49 +557,51 @@ def test_watermark_admission_preempts_the_newest_and_recomputes_it():
     late = Sequence([6], SamplingParams(max_tokens=1), request_id="late")
     sched.add(a)
     sched.add(b)
-    assert sched.schedule() == ([a, b], True)
-    sched.postprocess([a, b], True, [5, 5])
-    assert sched.schedule() == ([a, b], False)
-    sched.postprocess([a, b], False, [5, 5])
+    batch = sched.schedule()
+    assert batch.seqs == [a, b]
+    sched.postprocess(batch, [5, 5])
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.is_decode
+    sched.postprocess(batch, [5, 5])
     sched.add(late)
-    batch, is_prefill = sched.schedule()  # a takes the last free block; b finds none
-    assert (batch, is_prefill) == ([a], False) and sched.preempted == [b] and sched.num_preemptions == 1
+    batch = sched.schedule()  # a takes the last free block; b finds none
+    assert batch.seqs == [a] and sched.preempted == [b] and sched.num_preemptions == 1
     assert b.status is S.WAITING and b.block_table == [] and list(sched.waiting) == [b, late]
-    assert b.output_token_ids == [5, 5]
-    sched.postprocess(batch, is_prefill, [5])
-    assert sched.schedule() == ([a], False)  # b's 2 blocks + the watermark do not fit yet
-    assert sched.postprocess([a], False, [5]) == [a]
-    assert sched.schedule() == ([b, late], True)  # the preempted one first
-    assert (b.num_cached_tokens, b.num_scheduled_tokens) == (2, 1)  # block [4, 5] was published before
-    sched.postprocess([b, late], True, [5, 5])
-    assert run_to_completion(sched) == [(["b"], False)]
-    assert a.output_token_ids == [5] * 4 and b.output_token_ids == [5] * 4 and late.num_output_tokens == 1
+    assert b.output_token_ids == [5, 5] and sched.take_freed() == [b]
+    sched.postprocess(batch, [5])
+    batch = sched.schedule()
+    assert batch.seqs == [a]  # b's 2 blocks + the watermark do not fit yet
+    assert sched.postprocess(batch, [5]).finished == [a]
+    batch = sched.schedule()  # the preempted one first, after its published block [4, 5]
+    assert entries(batch) == [("b", 2, 1), ("late", 0, 1)] and b.num_cached_tokens == 2
+    sched.postprocess(batch, [5, 5])
+    assert run_to_completion(sched) == [[("b", 1)]]
+    assert a.output_token_ids == [5] * 4 and b.output_token_ids == [5] * 4 and late.output_token_ids == [5]
     assert sched.num_preemptions == 1 and bm.num_free_blocks == 4
 
 
 def test_chunked_prefill_covers_the_prompt_and_samples_only_at_its_end():
     """A prompt over max_num_batched_tokens runs in chunks of at most that many tokens, each
-    starting where the last ended; the tokens sampled by chunks short of the end are dropped.
-    A prompt that arrives meanwhile waits for a step with room for it whole."""
+    starting where the last ended; only the last chunk samples. A prompt that arrives meanwhile
+    waits for a step with room for it whole, then prefills beside the first one's decode."""
     sched, bm = make_scheduler(num_blocks=16, block_size=2, max_num_batched_tokens=4)
     long = Sequence(list(range(1, 11)), SamplingParams(max_tokens=2), request_id="long")
     sched.add(long)
     chunks = []
     for step in range(3):
-        batch, is_prefill = sched.schedule()
-        assert batch[0] is long and is_prefill and long.status is S.RUNNING_PREFILL
-        chunks.append((long.num_computed_tokens, long.num_scheduled_tokens))
+        batch = sched.schedule()
+        assert batch.seqs == [long]
+        chunks.append((batch.starts[0], batch.num_tokens[0], batch.samples[0]))
         if step == 0:
             sched.add(short := Sequence([7, 8, 9], SamplingParams(max_tokens=2), request_id="short"))
-        else:
-            assert batch == [long, short][:len(batch)]
-        sched.postprocess(batch, is_prefill, [5] * len(batch))
+        sched.postprocess(batch, [5] * len(batch))
         assert long.output_token_ids == ([5] if step == 2 else [])
-    assert chunks == [(0, 4), (4, 4), (8, 2)] and long.status is S.RUNNING_DECODE
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)] and long.status is S.RUNNING_DECODE
     assert short.status is S.WAITING  # step 2 left 2 tokens of budget, short has 3
-    assert sched.schedule() == ([short], True) and short.num_scheduled_tokens == 3
-    sched.postprocess([short], True, [5])
-    assert short.output_token_ids == [5] and sched.schedule() == ([long, short], False)
+    batch = sched.schedule()
+    assert entries(batch) == [("long", 10, 1), ("short", 0, 3)]
+    sched.postprocess(batch, [5, 5])
+    assert short.output_token_ids == [5] and long.finish_reason == "length"
 
 
 def test_abort_and_failure_mid_prefill_and_while_preempted():
@@ -471,14 +611,12 @@ def test_abort_and_failure_mid_prefill_and_while_preempted():
     sched, bm = make_scheduler(num_blocks=8, block_size=2, max_num_batched_tokens=4)
     half = Sequence(list(range(1, 10)), SamplingParams(max_tokens=2), request_id="half")
     sched.add(half)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, is_prefill, [5])
+    sched.postprocess(sched.schedule(), [5])
     assert half.num_computed_tokens == 4 and sched.abort("half") and bm.num_free_blocks == 8
     assert bm.cached_prefix_len(Sequence(list(range(1, 10)))) == 4  # blocks 0-1 computed; 2-3 never were
     failing = Sequence(list(range(20, 30)), SamplingParams(max_tokens=2), request_id="failing")
     sched.add(failing)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, is_prefill, [5])
+    sched.postprocess(sched.schedule(), [5])
     sched.schedule()
     assert sched.fail_in_flight() == [failing] and failing.finish_reason == "error"
     assert bm.num_free_blocks == 8 and not sched.has_unfinished()
@@ -487,13 +625,33 @@ def test_abort_and_failure_mid_prefill_and_while_preempted():
     a, b = Sequence([1], SamplingParams(max_tokens=3)), Sequence([2], SamplingParams(max_tokens=3))
     sched.add(a)
     sched.add(b)
-    assert sched.schedule() == ([a, b], True)
-    sched.postprocess([a, b], True, [5, 5])
-    assert sched.schedule()[0] == [a] and sched.preempted == [b]
+    batch = sched.schedule()
+    assert batch.seqs == [a, b]
+    sched.postprocess(batch, [5, 5])
+    batch = sched.schedule()
+    assert batch.seqs == [a] and sched.preempted == [b]
     assert sched.abort(b.request_id) and b.finish_reason == "abort" and not sched.waiting
-    sched.postprocess([a], False, [5])
+    sched.postprocess(batch, [5])
     run_to_completion(sched)
-    assert a.num_output_tokens == 3 and bm.num_free_blocks == 3
+    assert len(a.output_token_ids) == 3 and bm.num_free_blocks == 3
+
+
+def test_admission_waits_for_a_prefix_another_sequence_is_computing():
+    """A waiting request whose next prefix block another running sequence is computing waits a
+    step and shares it, instead of computing it again (with a step in flight the blocks the
+    previous step computed are not published yet when the next is scheduled)."""
+    sched, _ = make_scheduler(num_blocks=16, block_size=2, max_num_batched_tokens=64)
+    shared = [1, 2, 3, 4, 5, 6]
+    first = Sequence(shared + [7], SamplingParams(max_tokens=4), request_id="first")
+    sched.add(first)
+    one = sched.schedule()
+    second = Sequence(shared + [8, 9], SamplingParams(max_tokens=4), request_id="second")
+    sched.add(second)
+    two = sched.schedule()
+    assert two.seqs == [first], "second started before the shared blocks were published"
+    sched.postprocess(one, [5])
+    three = sched.schedule()
+    assert three.seqs == [first, second] and second.num_cached_tokens == 6
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
@@ -513,11 +671,10 @@ def test_decode_reserves_a_slot_for_every_running_sequence():
     seqs = [Sequence([1, 2], SamplingParams(max_tokens=4)), Sequence([3], SamplingParams(max_tokens=4))]
     for s in seqs:
         sched.add(s)
-    batch, is_prefill = sched.schedule()
-    sched.postprocess(batch, is_prefill, [5, 5])
-    batch, is_prefill = sched.schedule()
-    assert not is_prefill
-    assert all(len(s.block_table) * 2 >= s.num_tokens for s in batch)  # slot for position num_tokens - 1
+    sched.postprocess(sched.schedule(), [5, 5])
+    batch = sched.schedule()
+    assert batch.is_decode
+    assert all(len(s.block_table) * 2 >= start + 1 for s, start in zip(batch.seqs, batch.starts))
 
 
 def test_multiple_eos_ids_and_none():
@@ -526,8 +683,7 @@ def test_multiple_eos_ids_and_none():
     a, b = Sequence([1], SamplingParams(max_tokens=2)), Sequence([2], SamplingParams(max_tokens=2))
     sched.add(a)
     sched.add(b)
-    batch, _ = sched.schedule()
-    assert sched.postprocess(batch, True, [8, 3]) == [a] and a.finish_reason == "stop"
+    assert sched.postprocess(sched.schedule(), [8, 3]).finished == [a] and a.finish_reason == "stop"
     no_eos = Scheduler(BlockManager(8, 2), 1, 8, 16, eos_token_id=None)
     c = Sequence([1], SamplingParams(max_tokens=2))
     no_eos.add(c)
@@ -546,8 +702,8 @@ def test_bad_arguments_raise():
     sched.add(seq)
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add(Sequence([2], request_id="x"))
-    batch, is_prefill = sched.schedule()
+    batch = sched.schedule()
     with pytest.raises(ValueError, match="not WAITING"):
         sched.add(seq)
     with pytest.raises(ValueError, match="token ids"):
-        sched.postprocess(batch, is_prefill, [])
+        sched.postprocess(batch, [])

@@ -70,11 +70,11 @@ def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path)
 
     runner = engine.runner
     rid = engine.add_request(prompts[0], params)
-    engine.step()
-    seq = engine._requests[rid].seq
+    engine.step()  # prefill
+    engine.step()  # a decode step: its inputs stay in the runner's static buffers
     from engine.attention_context import reset_context, set_context
     with torch.inference_mode():
-        input_ids, positions, ctx = runner.prepare_decode([seq])
+        input_ids, positions, ctx = runner._decode_inputs(1, runner.max_blocks_per_seq)
         set_context(ctx)
         try:
             for _ in range(3):

@@ -68,14 +68,14 @@ def test_held_out_loss_matches_transformers(engine):
 def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, through the runner's own prefill path."""
     from engine.attention_context import reset_context, set_context
+    from engine.scheduler import ScheduledBatch
     from engine.sequence import Sequence
 
     runner, seq = engine.runner, Sequence(ids, SamplingParams(max_tokens=1), request_id="held-out")
     engine.block_manager.allocate(seq)
-    seq.num_scheduled_tokens = len(ids)  # the whole prompt in one chunk
+    batch = ScheduledBatch([seq], [0], [len(ids)], [True])  # the whole prompt in one chunk
     try:
-        runner._sync_block_tables([seq])
-        input_ids, positions, ctx, _ = runner.prepare_prefill([seq])
+        input_ids, positions, ctx, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
         set_context(ctx)
         with torch.inference_mode():
             return runner.model.compute_logits(runner.model(input_ids, positions))

@@ -1,4 +1,5 @@
-"""ModelRunner: step metadata against the BlockManager's own tables, the eager decode gates."""
+"""ModelRunner: step metadata against the BlockManager's own tables (also while a step is in
+flight and its tokens are fed on the device), mixed steps, the eager decode gates."""
 import pytest
 import torch
 
@@ -12,16 +13,26 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("q3"), "Qwen3ForCausalLM", seed=7)
-    return LLMEngine(path, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=96)
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("q3"), "Qwen3ForCausalLM", seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """A synchronous engine: between steps nothing is in flight, so a test can drive the
+    scheduler and the runner by hand."""
+    return LLMEngine(checkpoint, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=96,
+                     overlap=False)
+
+
+def greedy(max_tokens=20):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def start_decoding(engine, prompts, max_tokens=20):
     """Queue ``prompts`` and step until every one has prefilled and decoded once."""
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-           for p in prompts]
-    for _ in range(len(prompts) + 1):
+    ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    for _ in range(2):
         engine.step()
     return [engine._requests[i].seq for i in ids]
 
@@ -32,36 +43,87 @@ def finish(engine):
     engine.step()
 
 
+def abort_all(engine, seqs):
+    for seq in seqs:
+        engine.abort_request(seq.request_id)
+    finish(engine)
+
+
 def expected_slot(seq, position):
     """The cache slot of ``position`` by the BlockManager's table, computed here."""
     return seq.block_table[position // BLOCK] * BLOCK + position % BLOCK
 
 
-def test_block_tables_and_decode_context_follow_the_block_manager(engine):
-    """Each running sequence's device row equals its BlockManager table after every step
-    (blocks appended at boundaries are written), and the decode context's slots, context
-    lengths and positions are those the BlockManager implies (FM-025, FM-040)."""
+def staged_decode(engine):
+    """Schedule the next (decode) batch and stage it in the static buffers as a decode step
+    does: (batch, input_ids, positions, context); ``complete`` runs and postprocesses it."""
     runner = engine.runner
-    seqs = start_decoding(engine, [[3] * 3, list(range(2, 9)), list(range(10, 21))])
-    for _ in range(6):  # cross block boundaries while decoding
-        live = [s for s in seqs if not s.is_finished]
-        for seq in live:
-            row = runner._row_of[seq.request_id]
-            assert runner.block_tables[row, :len(seq.block_table)].tolist() == seq.block_table
-        for seq in live:
-            engine.block_manager.append_slot(seq)
-        runner._sync_block_tables(live)
-        input_ids, positions, ctx = runner.prepare_decode(live)
-        assert input_ids.tolist() == [s.last_token_id for s in live]
-        assert positions.tolist() == [s.num_tokens - 1 for s in live]
-        assert ctx.context_lens.tolist() == [s.num_tokens for s in live]
-        assert ctx.slot_mapping.tolist() == [expected_slot(s, s.num_tokens - 1) for s in live]
-        for i, seq in enumerate(live):
-            assert ctx.block_tables[i, :len(seq.block_table)].tolist() == seq.block_table
-        engine.scheduler.postprocess(live, False, runner.run(live, is_prefill=False))
-    for seq in seqs:
-        engine.abort_request(seq.request_id)
-    finish(engine)
+    batch = engine.scheduler.schedule()
+    assert batch.is_decode
+    runner._stage_decode(batch, runner.plan(batch, None), len(batch), None)
+    return (batch, *runner._decode_inputs(len(batch), runner.max_blocks_per_seq))
+
+
+def complete(engine, batch):
+    engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+
+
+class ForwardRecorder:
+    """Records every forward the runner runs: its batch with each sequence's block table at
+    launch, and clones of its input ids, positions and context tensors taken when the forward
+    runs (before later steps overwrite them)."""
+
+    def __init__(self, runner, monkeypatch):
+        self.steps, self.launched = [], None
+        real_launch, real_forward = runner.launch, runner._forward
+
+        def launch(batch, previous=None):
+            self.launched = batch, [list(s.block_table) for s in batch.seqs]
+            return real_launch(batch, previous)
+
+        def forward(input_ids, positions, ctx, last=None):
+            fields = {name: getattr(ctx, name).clone() if isinstance(getattr(ctx, name), torch.Tensor)
+                      else getattr(ctx, name) for name in vars(ctx)}
+            self.steps.append((*self.launched, input_ids.clone(), positions.clone(), fields))
+            return real_forward(input_ids, positions, ctx, last)
+        monkeypatch.setattr(runner, "launch", launch)
+        monkeypatch.setattr(runner, "_forward", forward)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_tables_and_decode_context_follow_the_block_manager(checkpoint, monkeypatch, overlap):
+    """Every forward's inputs are those the BlockManager's tables imply: each decode row's token
+    is the sequence's token at its position (with overlap, the previous step's sampled id, fed
+    on the device before the host knows it), its position, slot, context length and block-table
+    row follow the sequence's table across block boundaries; mixed steps put decode rows first
+    (FM-025, FM-040)."""
+    engine = LLMEngine(checkpoint, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
+                       overlap=overlap)
+    recorder = ForwardRecorder(engine.runner, monkeypatch)
+    prompts = [[3] * 3, list(range(2, 9)), list(range(10, 31)), list(range(40, 45))]
+    for prompt in prompts:
+        engine.add_request(prompt, greedy(9))
+    while engine.has_unfinished_requests():
+        engine.step()
+    seen_mixed = seen_pending = 0
+    for batch, tables, input_ids, positions, ctx in recorder.steps:
+        offset = 0
+        decode_rows = len(batch) if not ctx["is_prefill"] else ctx["num_decode_tokens"]
+        seen_mixed += ctx["is_prefill"] and decode_rows > 0
+        for i, (seq, table, start, n) in enumerate(zip(batch.seqs, tables, batch.starts, batch.num_tokens)):
+            assert input_ids[offset:offset + n].tolist() == seq.token_ids[start:start + n]
+            assert positions[offset:offset + n].tolist() == list(range(start, start + n))
+            assert ctx["slot_mapping"][offset:offset + n].tolist() == [
+                table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+            if i < decode_rows:
+                assert n == 1 and ctx["context_lens"][i] == start + 1
+                width = -(-(start + 1) // BLOCK)
+                assert ctx["block_tables"][i, :width].tolist() == table[:width]
+                seen_pending += start >= seq.num_prompt_tokens
+            offset += n
+    assert seen_mixed, "no step mixed decodes with prefill chunks"
+    assert seen_pending, "no decode fed a sampled token"
+    assert not engine.runner._row_of
 
 
 def test_prefill_context_skips_cached_prefix_tokens(engine):
@@ -72,31 +134,54 @@ def test_prefill_context_skips_cached_prefix_tokens(engine):
     finish(engine)
     rid = engine.add_request(shared + [2, 3], SamplingParams(temperature=0.0, max_tokens=2))
     seq = engine._requests[rid].seq
-    batch, is_prefill = engine.scheduler.schedule()
-    assert batch == [seq] and is_prefill and seq.num_cached_tokens == 20
-    engine.runner._sync_block_tables(batch)
-    input_ids, positions, ctx, last = engine.runner.prepare_prefill(batch)
+    batch = engine.scheduler.schedule()
+    assert batch.seqs == [seq] and batch.starts == [20] and batch.num_tokens == [2] and seq.num_cached_tokens == 20
+    runner = engine.runner
+    input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
     assert input_ids.tolist() == [2, 3] and positions.tolist() == [20, 21]
     assert ctx.slot_mapping.tolist() == [expected_slot(seq, 20), expected_slot(seq, 21)]
     assert ctx.prefill_kv_slots.tolist() == [expected_slot(seq, p) for p in range(22)]
     assert ctx.cu_seqlens_q.tolist() == [0, 2] and ctx.cu_seqlens_k.tolist() == [0, 22] and last.tolist() == [1]
-    engine.scheduler.postprocess(batch, True, engine.runner.run(batch, True))
+    assert ctx.num_decode_tokens == 0
+    complete(engine, batch)
     finish(engine)
+
+
+def test_mixed_step_puts_decode_rows_first(engine):
+    """A step that decodes one sequence while another prefills: the decode row comes first, at
+    its own position and context length (never a prefill position), the prefill chunk after it
+    with its own cu_seqlens; each entry's logits row is its last token."""
+    (decoding,) = start_decoding(engine, [list(range(2, 9))])
+    rid = engine.add_request(list(range(60, 66)), greedy())
+    batch = engine.scheduler.schedule()
+    prefilling = engine._requests[rid].seq
+    assert batch.seqs == [decoding, prefilling] and batch.num_tokens == [1, 6]
+    runner = engine.runner
+    input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
+    pos = decoding.num_tokens - 2  # its newest token (this step appends a pending one)
+    assert ctx.is_prefill and ctx.num_decode_tokens == 1
+    assert input_ids.tolist() == [decoding.last_token_id, *range(60, 66)]
+    assert positions.tolist() == [pos, *range(6)]
+    assert ctx.context_lens.tolist() == [pos + 1]
+    assert ctx.block_tables[0].tolist() == decoding.block_table[:ctx.block_tables.shape[1]]
+    assert ctx.cu_seqlens_q.tolist() == [0, 6] and ctx.cu_seqlens_k.tolist() == [0, 6] and last.tolist() == [0, 6]
+    complete(engine, batch)
+    abort_all(engine, [decoding, prefilling])
 
 
 def decode_forward_ops(engine, monkeypatch):
     """Op counts of one decode forward of the model as the runner sets it up."""
     runner = engine.runner
     seqs = start_decoding(engine, [list(range(2, 12)), [5, 6, 7]])
-    input_ids, positions, ctx = runner.prepare_decode(seqs)
+    batch, input_ids, positions, ctx = staged_decode(engine)
     set_context(ctx)
     try:
         ops = count_step(lambda: runner.model(input_ids, positions), monkeypatch)
     finally:
         reset_context()
-    for seq in seqs:
-        engine.abort_request(seq.request_id)
-    finish(engine)
+        monkeypatch.undo()  # the counter stops recording host reads here
+    complete(engine, batch)
+    abort_all(engine, seqs)
     return ops
 
 
@@ -115,12 +200,11 @@ def test_decode_inputs_live_in_static_buffers(engine):
     runner = engine.runner
     seqs = start_decoding(engine, [[4, 5, 6], [7, 8]])
     buffers = (runner.decode_inputs.data_ptr(), runner.decode_tables.data_ptr())
-    input_ids, positions, ctx = runner.prepare_decode(seqs)
+    batch, input_ids, positions, ctx = staged_decode(engine)
     assert input_ids.data_ptr() == buffers[0] and ctx.block_tables.data_ptr() == buffers[1]
     assert positions.untyped_storage().data_ptr() == runner.decode_inputs.untyped_storage().data_ptr()
-    for seq in seqs:
-        engine.abort_request(seq.request_id)
-    finish(engine)
+    complete(engine, batch)
+    abort_all(engine, seqs)
 
 
 def test_padded_decode_rows_are_harmless(engine):
@@ -129,18 +213,20 @@ def test_padded_decode_rows_are_harmless(engine):
     equal to the unpadded step's; over the full block-table width as a graph sees it."""
     runner = engine.runner
     seqs = start_decoding(engine, [list(range(2, 9)), [5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    batch, *inputs = staged_decode(engine)
+    plan = runner.plan(batch, None)
     with torch.inference_mode():
-        expected = runner._forward(*runner.prepare_decode(seqs))
+        expected = runner._forward(*inputs)
         caches = [c.clone() for c in runner.kv_caches]
         size = runner.decode_inputs.shape[1]  # max_num_seqs: two real rows, two padding rows
-        runner._stage_decode(seqs, size)
+        runner._stage_decode(batch, plan, size, None)
         input_ids, positions, ctx = runner._decode_inputs(size, runner.max_blocks_per_seq)
         assert ctx.slot_mapping[len(seqs):].tolist() == [-1] * (size - len(seqs))
         assert ctx.context_lens[len(seqs):].tolist() == [1] * (size - len(seqs))
         padded = runner._forward(input_ids, positions, ctx)
     torch.testing.assert_close(padded[:len(seqs)], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(padded).all()
-    real_slots = [expected_slot(s, s.num_tokens - 1) for s in seqs]
+    real_slots = [expected_slot(s, start) for s, start in zip(batch.seqs, batch.starts)]
     for before, after in zip(caches, runner.kv_caches):
         flat_before, flat_after = before.flatten(-4, -3), after.flatten(-4, -3)  # [..., slots, H, D]
         untouched = torch.ones(flat_before.shape[-3], dtype=torch.bool)
@@ -148,6 +234,5 @@ def test_padded_decode_rows_are_harmless(engine):
         assert torch.equal(flat_before[..., untouched, :, :], flat_after[..., untouched, :, :]), \
             "a padding row wrote into the cache"
         torch.testing.assert_close(flat_after[..., real_slots, :, :], flat_before[..., real_slots, :, :])
-    for seq in seqs:
-        engine.abort_request(seq.request_id)
-    finish(engine)
+    complete(engine, batch)
+    abort_all(engine, seqs)

@@ -28,23 +28,24 @@ def cases(tmp_path_factory):
 
 def run(engine, prompts, steps=None):
     """Greedy outputs of ``prompts`` submitted together; with ``steps`` given, appends the
-    (request ids, is_prefill) of every step the runner ran. What every request streamed to its
-    detokenizer is checked against its tokens (a prefill chunk that samples nothing adds none;
-    the tiny tokenizer decodes most ids to "", so the text alone would not show it)."""
+    request ids of the prefill chunks (entries of more than one token) of every step the runner
+    ran. What every request streamed to its detokenizer is checked against its tokens (a prefill
+    chunk that samples nothing adds none; the tiny tokenizer decodes most ids to "", so the text
+    alone would not show it)."""
     if steps is not None:
-        real_run = engine.runner.run
+        real_launch = engine.runner.launch
 
-        def recording_run(seqs, is_prefill):
-            steps.append(([s.request_id for s in seqs], is_prefill))
-            return real_run(seqs, is_prefill)
-        engine.runner.run = recording_run
+        def recording_launch(batch, previous=None):
+            steps.append([s.request_id for s, n in zip(batch.seqs, batch.num_tokens) if n > 1])
+            return real_launch(batch, previous)
+        engine.runner.launch = recording_launch
     try:
         ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)) for p in prompts]
         while engine.has_unfinished_requests():
             engine.step()
     finally:
         if steps is not None:
-            del engine.runner.run
+            del engine.runner.launch
     for rid in ids:
         request = engine._requests[rid]
         assert request.detokenizer.token_ids == request.seq.output_token_ids, "a token streamed twice"
@@ -52,8 +53,8 @@ def run(engine, prompts, steps=None):
 
 
 def prefill_steps(steps, num_requests: int) -> list[int]:
-    """How many prefill steps each request (ids "0", "1", ... of a fresh engine) took part in."""
-    return [sum(str(i) in ids for ids, is_prefill in steps if is_prefill) for i in range(num_requests)]
+    """How many prefill chunks each request (ids "0", "1", ... of a fresh engine) ran."""
+    return [sum(str(i) in ids for ids in steps) for i in range(num_requests)]
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])

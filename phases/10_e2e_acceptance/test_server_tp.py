@@ -57,14 +57,15 @@ def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatc
     lengths = [3, 9, 5, 12, 7, 4]
     expected = [engine.generate(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(PROMPTS, lengths)]
     trace = []
-    real_run = engine.runner.run
+    real_launch = engine.runner.launch
 
-    def run(batch, is_prefill):
-        tokens = real_run(batch, is_prefill)
-        trace.append((is_prefill, [(s.request_id, s.num_tokens) for s in batch], list(tokens)))
-        return tokens
+    def launch(batch, previous=None):
+        launched = real_launch(batch, previous)
+        trace.append((list(zip([s.request_id for s in batch.seqs], batch.starts, batch.num_tokens)),
+                      launched.token_ids()))
+        return launched
 
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "launch", launch)
     if tp_group.rank == 0:
         with running_server(engine) as running:
             got = asyncio.run(_clients(running.url, lengths))
@@ -75,7 +76,7 @@ def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatc
     traces = [None] * tp_group.size
     dist.all_gather_object(traces, trace)
     assert len(trace) > 1 and all(t == traces[0] for t in traces), "ranks ran different steps"
-    assert any(len(batch) > 1 for _, batch, _ in trace), "the requests were never batched"
+    assert any(len(entries) > 1 for entries, _ in trace), "the requests were never batched"
     engine_cases.assert_no_block_leaks(engine)
 
 
