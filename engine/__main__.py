@@ -42,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     group.add_argument("--enforce-eager", action="store_true",
                        help="decode without CUDA graphs (graphs are the default on CUDA)")
+    group.add_argument("--no-overlap", action="store_true",
+                       help="run each step to the end before scheduling the next (default: the host schedules and "
+                            "postprocesses while the device runs the previous step)")
     group.add_argument("--disable-custom-all-reduce", action="store_true",
                        help="tensor parallel on CUDA: all-reduce with NCCL only (default: symmetric memory for "
                             "small messages)")
@@ -55,7 +58,7 @@ def build_engine(args: argparse.Namespace):
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce,
-                     admission=args.admission)
+                     admission=args.admission, overlap=not args.no_overlap)
 
 
 def generate(args: argparse.Namespace) -> int:

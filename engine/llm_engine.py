@@ -22,13 +22,13 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
 from engine.hf_runner import HFModelRunner
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.qwen import QwenForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
+from engine.output_processor import OutputProcessor
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -52,19 +52,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     reject_reason: str | None = None
-
-
-class _Request:
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None):
-        self.seq = seq
-        self.detokenizer = detokenizer
-
-    def output(self) -> RequestOutput:
-        seq = self.seq
-        rejected = seq.status is SequenceStatus.REJECTED
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             self.detokenizer.text if self.detokenizer else "", seq.is_finished,
-                             "rejected" if rejected else seq.finish_reason, seq.reject_reason)
 
 
 def _model_class(config: ModelConfig, backend: str) -> type | None:
@@ -195,7 +182,8 @@ class LLMEngine:
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
         self.overlap = overlap and model_class is not None
         self._in_flight: LaunchedStep | None = None
-        self._requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._requests: dict[str, Sequence] = {}
         self._finished_unreported: list[str] = []
         self._ids = itertools.count()
         self._generation: list[str] = []
@@ -238,9 +226,8 @@ class LLMEngine:
         request_id = str(next(self._ids))
         seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id=request_id)
         # text is read on rank 0; another rank needs it only to match stop strings (same decisions)
-        detokenize = detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop))
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if detokenize else None
-        self._requests[request_id] = _Request(seq, detokenizer)
+        self.outputs.add(seq, detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop)))
+        self._requests[request_id] = seq
         if not self.scheduler.add(seq):
             log.warning("request %s rejected: %s", request_id, seq.reject_reason)
             self._finished_unreported.append(request_id)
@@ -259,21 +246,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def request_output(self, request_id: str) -> RequestOutput:
-        return self._requests[request_id].output()
+        seq = self._requests[request_id]
+        rejected = seq.status is SequenceStatus.REJECTED
+        return RequestOutput(request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             self.outputs.text(request_id), seq.is_finished,
+                             "rejected" if rejected else seq.finish_reason, seq.reject_reason)
 
     def request_progress(self, request_id: str) -> tuple[str, int, bool]:
         """(text, output token count, finished) so far without copying the token ids: what a
         streaming loop polls every step (``request_output`` once the request has finished)."""
-        request = self._requests[request_id]
-        text = request.detokenizer.text if request.detokenizer else ""
-        return text, len(request.seq.output_token_ids), request.seq.is_finished
+        seq = self._requests[request_id]
+        return self.outputs.text(request_id), len(seq.output_token_ids), seq.is_finished
 
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
-        output = self._requests[request_id].output()
+        output = self.request_output(request_id)
         if not output.finished:
             raise ValueError(f"request {request_id} is not finished")
         del self._requests[request_id]
+        self.outputs.remove(request_id)
         return output
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -315,7 +306,7 @@ class LLMEngine:
                 self._finished_unreported.append(seq.request_id)
             self._release_freed()
         done, self._finished_unreported = self._finished_unreported, []
-        return [self._requests[rid].output() for rid in done]
+        return [self.request_output(rid) for rid in done]
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
@@ -329,8 +320,9 @@ class LLMEngine:
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
         self._finished_unreported += [seq.request_id for seq in result.finished]
-        for seq in result.appended:
-            self._emit_text(seq)
+        for seq in self.outputs.process(result.appended):  # a stop string matched
+            self.scheduler.finish(seq.request_id, "stop")
+            self._finished_unreported.append(seq.request_id)
         self._release_freed()
         return waited
 
@@ -338,29 +330,6 @@ class LLMEngine:
         """Drop the runner state of every sequence whose blocks the scheduler freed."""
         for seq in self.scheduler.take_freed():
             self.runner.release(seq)
-
-    def _emit_text(self, seq: Sequence) -> None:
-        """Detokenise the token just read back; a matched stop string ends the request there
-        (the stop string itself is not part of the text)."""
-        request = self._requests[seq.request_id]
-        if request.detokenizer is None:
-            return
-        detok = request.detokenizer
-        delta = detok.add(seq.output_token_ids[-1])
-        if seq.is_finished:
-            delta += detok.flush()
-        stops = seq.sampling_params.stop
-        if not stops or not delta:
-            return
-        window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
-        hits = [i for i in (detok.text.find(s, window_start) for s in stops) if i >= 0]
-        if hits:
-            detok.text = detok.text[:min(hits)]
-            if not seq.is_finished:
-                self.scheduler.finish(seq.request_id, "stop")
-                self._finished_unreported.append(seq.request_id)
-            else:
-                seq.finish_reason = "stop"
 
     # ---- the seed's convenience API ------------------------------------------------------------
 
@@ -374,7 +343,7 @@ class LLMEngine:
 
     def get_generation_outputs(self) -> list[str]:
         """The texts of the last ``begin_generation``'s prompts, in order ("" for rejected ones)."""
-        return [self._requests[rid].output().text for rid in self._generation]
+        return [self.outputs.text(rid) for rid in self._generation]
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: str | list[str] | None = None, seed: int | None = None,

@@ -6,6 +6,8 @@ throughput  nano-vllm's shape: 256 sequences, random prompt and output lengths i
             random token ids, ignore_eos; output and total tok/s
 serve       an HTTP client for a running ``python -m engine serve`` (streaming /v1/completions):
             TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput
+overlap     overlapped against synchronous engine steps on a simulated device (a fixed delay per
+            step; the engine's host work is real): step, host and device ms per step (CPU, seconds)
 
 The model: ``--model DIR``, or ``--preset NAME --random-weights`` (full-size, random weights made
 on the device, no checkpoint). ``--compare hf`` times transformers on the same weights in the
@@ -41,6 +43,17 @@ def add_bench_command(commands) -> None:
     latency = modes.add_parser("latency", help="B=1 decode tok/s, TTFT, host/GPU time of a decode step")
     throughput = modes.add_parser("throughput", help="offline batch throughput (nano-vllm's shape)")
     serve = modes.add_parser("serve", help="load a running server over HTTP (vLLM's serving metrics)")
+    overlap = modes.add_parser("overlap", help="overlapped vs synchronous steps on a simulated device (CPU, seconds)")
+    overlap.add_argument("--num-seqs", type=_int_list, default=[1, 256], metavar="N,N,...",
+                         help="batch sizes, each run in both modes (default 1,256)")
+    overlap.add_argument("--gpu-ms", type=_float_pair, default=(5.0, 12.0), metavar="AT_1,AT_MAX",
+                         help="simulated device ms per step at one sequence and at the largest batch, linear "
+                              "between (default 5,12: a Qwen3-8B-sized step on an H200)")
+    overlap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    overlap.add_argument("--output-len", type=int, default=48, help="output tokens per request (default 48)")
+    overlap.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    overlap.add_argument("--output", metavar="FILE", help="also write the JSON report here")
+    overlap.set_defaults(run=run_overlap)
     for mode in (latency, throughput, serve):
         add_engine_arguments(mode)
         source = mode.add_argument_group("model source")
@@ -90,6 +103,22 @@ def add_bench_command(commands) -> None:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _float_pair(text: str) -> tuple[float, float]:
+    values = [float(x) for x in text.split(",")]
+    if len(values) != 2 or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected two positive numbers AT_1,AT_MAX, got {text!r}")
+    return values[0], values[1]
+
+
+def run_overlap(args: argparse.Namespace) -> int:
+    from engine.bench.overlap import bench_overlap
+
+    report = {"bench": "overlap", "machine": machine(), "settings": _settings(args),
+              **bench_overlap(args.num_seqs, *args.gpu_ms, args.prompt_len, args.output_len, args.seed)}
+    emit(report, args.output)
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -254,7 +283,8 @@ def server_command(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) is not None:
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return (command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
-            + ["--disable-custom-all-reduce"] * args.disable_custom_all_reduce + ["--port", "0"])
+            + ["--disable-custom-all-reduce"] * args.disable_custom_all_reduce + ["--no-overlap"] * args.no_overlap
+            + ["--port", "0"])
 
 
 def machine() -> dict:
@@ -278,7 +308,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def emit(report: dict, output: str | None) -> None:
     """A few readable lines on stderr; the report as one JSON line on stdout (and in ``output``)."""
-    for key in ("decode", "step_split", "throughput", "serve", "compare_hf"):
+    for key in ("decode", "step_split", "throughput", "serve", "compare_hf", "results"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])[:400]}", file=sys.stderr)
     if output:

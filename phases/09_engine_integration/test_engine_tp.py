@@ -34,3 +34,30 @@ def test_tp_greedy_matches_single_process(tp_group, tp_device, tiny_checkpoint, 
     assert all(g == gathered[0] for g in gathered), "ranks disagree on sampled tokens"
     assert (len(samples) > 0) == (tp_group.rank == 0), f"rank {tp_group.rank} ran the sampler {len(samples)} times"
     assert_no_block_leaks(engine)
+
+
+@pytest.mark.torchrun
+def test_tp_overlapped_steps_match_synchronous(tp_group, tp_device, tiny_checkpoint):
+    """With one step in flight (the default) every rank feeds rank 0's sampled ids to the next
+    step and makes the same decisions: greedy and seeded tokens, stop strings and stop token
+    ids equal the synchronous engine's, on every rank."""
+    path = tiny_checkpoint("Qwen3ForCausalLM", seed=11)
+    args = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=96, device=tp_device,
+                dtype="float32")
+    prompts = prompts_with_shared_prefix(seed=4)
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(path, overlap=overlap, **args)
+        free = engine.generate_tokens(prompts[:3], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[free[0][3]]),
+                  SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[engine.tokenizer.decode(free[1][4:5])]),
+                  SamplingParams(temperature=0.9, max_tokens=MAX_NEW, seed=5)]
+        ids = [engine.add_request(p, params[i % 3]) for i, p in enumerate(prompts)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        results[overlap] = [engine.pop_request(rid).token_ids for rid in ids]
+        assert_no_block_leaks(engine)
+    assert results[True] == results[False]
+    gathered = [None] * tp_group.size
+    dist.all_gather_object(gathered, results[True])
+    assert all(g == gathered[0] for g in gathered), "ranks disagree"

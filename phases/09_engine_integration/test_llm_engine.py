@@ -144,7 +144,7 @@ def test_generate_terminates_when_nothing_can_run(engines, greedy):
     """A request the idle engine cannot schedule is rejected, never left waiting forever."""
     engine = engines["Qwen3ForCausalLM"]
     rid = engine.add_request([3, 4, 5], greedy)
-    seq = engine._requests[rid].seq
+    seq = engine._requests[rid]
     engine.scheduler.max_num_seqs = 0  # now it can never be admitted
     try:
         out = [o for o in engine.step() if o.request_id == rid]

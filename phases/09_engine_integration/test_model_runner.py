@@ -34,7 +34,7 @@ def start_decoding(engine, prompts, max_tokens=20):
     ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     for _ in range(2):
         engine.step()
-    return [engine._requests[i].seq for i in ids]
+    return [engine._requests[i] for i in ids]
 
 
 def finish(engine):
@@ -133,7 +133,7 @@ def test_prefill_context_skips_cached_prefix_tokens(engine):
     start_decoding(engine, [shared + [1]], max_tokens=2)
     finish(engine)
     rid = engine.add_request(shared + [2, 3], SamplingParams(temperature=0.0, max_tokens=2))
-    seq = engine._requests[rid].seq
+    seq = engine._requests[rid]
     batch = engine.scheduler.schedule()
     assert batch.seqs == [seq] and batch.starts == [20] and batch.num_tokens == [2] and seq.num_cached_tokens == 20
     runner = engine.runner
@@ -154,7 +154,7 @@ def test_mixed_step_puts_decode_rows_first(engine):
     (decoding,) = start_decoding(engine, [list(range(2, 9))])
     rid = engine.add_request(list(range(60, 66)), greedy())
     batch = engine.scheduler.schedule()
-    prefilling = engine._requests[rid].seq
+    prefilling = engine._requests[rid]
     assert batch.seqs == [decoding, prefilling] and batch.num_tokens == [1, 6]
     runner = engine.runner
     input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)

@@ -127,7 +127,7 @@ def test_mixed_step_logits_equal_separate_prefill_and_decode(checkpoints, arch):
     prefilling = engine.add_request(list(range(70, 83)), greedy)
     cached = engine.add_request(shared + [4, 5, 6], greedy)
     batch = engine.scheduler.schedule()
-    seqs = [engine._requests[r].seq for r in (decoding, prefilling, cached)]
+    seqs = [engine._requests[r] for r in (decoding, prefilling, cached)]
     assert batch.seqs == seqs and batch.num_tokens == [1, 13, 3] and batch.starts[2] == 20
     runner = engine.runner
     with torch.inference_mode():

@@ -47,8 +47,8 @@ def run(engine, prompts, steps=None):
         if steps is not None:
             del engine.runner.launch
     for rid in ids:
-        request = engine._requests[rid]
-        assert request.detokenizer.token_ids == request.seq.output_token_ids, "a token streamed twice"
+        assert engine.outputs.streamed_token_ids(rid) == engine._requests[rid].output_token_ids, \
+            "a token streamed twice"
     return [engine.pop_request(rid).token_ids for rid in ids]
 
 

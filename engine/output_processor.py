@@ -1,0 +1,61 @@
+"""Requests' text: the tokens each step appended, detokenised together, and stop strings.
+
+The one place that turns output tokens into text: every sequence a step advanced is
+detokenised in one batched tokenizer call (``engine.detokenizer``), and a stop string found in
+the new text cuts the text there (the stop string is not part of it) and ends the request.
+Requests created without text (``generate_tokens``, or another TP rank's copy of a request
+without stop strings) cost nothing here.
+"""
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer, batch_decoder, detokenize
+from engine.sequence import Sequence
+
+
+class OutputProcessor:
+    """``add(seq, detokenize)`` when a request arrives; ``process(seqs)`` after each step with
+    the sequences it appended a token to (``output_token_ids[-1]``); ``text(request_id)``;
+    ``remove(request_id)`` when the request is forgotten."""
+
+    def __init__(self, tokenizer):
+        self._decode = batch_decoder(tokenizer)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, seq: Sequence, detokenize: bool) -> None:
+        if detokenize:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(decode=self._decode)
+
+    def remove(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+
+    def text(self, request_id: str) -> str:
+        detok = self._detokenizers.get(request_id)
+        return detok.text if detok is not None else ""
+
+    def streamed_token_ids(self, request_id: str) -> list[int]:
+        """The tokens detokenised for this request so far (each once, in order)."""
+        detok = self._detokenizers.get(request_id)
+        return detok.token_ids if detok is not None else []
+
+    def process(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Detokenise each sequence's newest token (flushing a finished one) and match its stop
+        strings in the new text. Returns the unfinished sequences whose stop string matched:
+        the caller ends them with "stop"; a finished one that matched gets "stop" as its reason."""
+        work = [(seq, self._detokenizers[seq.request_id]) for seq in seqs if seq.request_id in self._detokenizers]
+        if not work:
+            return []
+        deltas = detokenize(self._decode, [(detok, seq.output_token_ids[-1], seq.is_finished) for seq, detok in work])
+        stopped = []
+        for (seq, detok), delta in zip(work, deltas):
+            stops = seq.sampling_params.stop
+            if not stops or not delta:
+                continue
+            window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
+            hits = [i for i in (detok.text.find(s, window_start) for s in stops) if i >= 0]
+            if hits:
+                detok.text = detok.text[:min(hits)]
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    stopped.append(seq)
+        return stopped
