@@ -3,8 +3,8 @@ a simulated device, in seconds on a CPU.
 
 The engine is real — scheduler, the runner's host side (rows, sampling plan, pending-token
 moves, a decode step's staging copy), postprocessing and detokenisation with the demo model's
-tokenizer — but the device is a timeline: a launched step occupies it for ``gpu_ms`` after the previous step, and reading the
-step's tokens back waits until it is done. With overlap a step should take about
+tokenizer — but the device is a timeline: a launched step occupies it for ``gpu_ms`` after
+the previous step, and reading the step's tokens back waits until it is done. With overlap a step should take about
 max(host, device) time; without, host + device. Tokens are pseudo-random ids (a hash of the
 request's seed and the output index), every request ignores EOS, so the work is the same in
 both modes.
@@ -40,8 +40,8 @@ class SimulatedStep:
 
 class SimulatedDevice:
     """Replaces a ModelRunner's ``launch``: the runner's host-side plan (and a decode step's
-    staging) runs for real, the forward is ``gpu_ms(batch size)`` on a device timeline (linear from ``gpu_ms_one`` at one
-    sequence to ``gpu_ms_full`` at ``full_batch``)."""
+    staging) runs for real, the forward is ``gpu_ms(batch size)`` on a device timeline (linear
+    from ``gpu_ms_one`` at one sequence to ``gpu_ms_full`` at ``full_batch``)."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int, gpu_ms_one: float, gpu_ms_full: float, full_batch: int):
         self.runner, self.vocab_size = runner, vocab_size
