@@ -7,12 +7,12 @@ where it can never bind; broken MoE checkpoints are errors naming the key."""
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from engine.kv_cache import bind_kv_cache
 from engine.layers.moe import GatedSharedExpertMoE, MoE
 from phases.assertions import assert_steps_close
 from phases.harness import all_logits_step, load_engine_model, num_blocks_for, run_paged
+from test_loader import rewrite
 
 VARIANTS = {
     "llama3.1": ("LlamaForCausalLM", {}),
@@ -78,13 +78,6 @@ def test_mistral_sliding_window_runs_only_where_it_never_binds(tiny_checkpoint):
     with torch.no_grad():
         got = run_paged(all_logits_step(model), [sequence], [30], 16)[0]
     assert_steps_close(got, hf_logits(model_dir, [sequence])[0], 30, 1e-4, "logits", "window 1024")
-
-
-def rewrite(model_dir, edit):
-    path = model_dir / "model.safetensors"
-    state = load_file(path)
-    edit(state)
-    save_file(state, path, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("arch,edit,message", [
