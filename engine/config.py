@@ -31,8 +31,9 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     tie_word_embeddings: bool
-    qkv_bias: bool             # Qwen2 always has a QKV bias; others say so in attention_bias
+    qkv_bias: bool             # Qwen2 always has a QKV bias; others say so in attention_bias (Qwen2-MoE: qkv_bias)
     qk_norm: bool              # Qwen3 normalises q and k per head
+    sliding_window: int | None  # attention window (Mistral, Qwen with use_sliding_window); None: full causal
     torch_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
     raw: dict = field(repr=False, compare=False)  # the whole config.json, for family-specific keys
@@ -64,6 +65,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
+        max_positions = need("max_position_embeddings")
+        window = (cfg.get("sliding_window") or None) if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=archs[0],
             model_type=cfg.get("model_type", ""),
@@ -74,13 +77,14 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
-            max_position_embeddings=need("max_position_embeddings"),
+            max_position_embeddings=max_positions,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", archs[0].startswith("Qwen2"))),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", archs[0].startswith("Qwen2")))),
             qk_norm=archs[0].startswith("Qwen3"),
+            sliding_window=window if window is not None and window < max_positions else None,  # else it never binds
             torch_dtype=_DTYPES.get(dtype_name),
             eos_token_ids=eos_ids,
             raw=cfg,
@@ -102,7 +106,24 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
+class MoEConfig:
+    """What a mixture-of-experts layer (``engine.layers.moe``) needs: expert sizes and routing
+    rules. Each MoE family's config extends it with where its MoE layers are."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int          # shared experts run as one TP MLP of n_shared_experts x moe_intermediate_size
+    scoring_func: str              # "softmax" (V2, Qwen) or "sigmoid" (V3)
+    topk_method: str               # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3)
+    n_group: int                   # expert groups (1: no group limit)
+    topk_group: int                # groups a token may pick experts from
+    norm_topk_prob: bool           # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float   # multiplies the routed experts' weights
+
+
+@dataclass(frozen=True)
+class DeepseekConfig(MoEConfig):
     """The MLA and MoE dimensions and routing rules of DeepSeek-V2 / V2-Lite / V3, read from
     ``ModelConfig.raw`` (kept apart so ModelConfig stays the dense models' shape).
 
@@ -118,18 +139,8 @@ class DeepseekConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    n_shared_experts: int
     first_k_dense_replace: int     # layers before this one are dense
     moe_layer_freq: int            # after that, every moe_layer_freq-th layer is MoE
-    scoring_func: str              # "softmax" (V2) or "sigmoid" (V3)
-    topk_method: str               # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3)
-    n_group: int                   # expert groups (1: no group limit)
-    topk_group: int                # groups a token may pick experts from
-    norm_topk_prob: bool           # renormalise the top-k weights to sum to 1
-    routed_scaling_factor: float   # multiplies the routed experts' weights
     rope_interleave: bool
 
     @property
@@ -174,4 +185,55 @@ class DeepseekConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
             rope_interleave=bool(raw.get("rope_interleave", True)),
+        )
+
+
+@dataclass(frozen=True)
+class QwenMoeConfig(MoEConfig):
+    """Qwen3-MoE / Qwen2-MoE experts, read from ``ModelConfig.raw``: softmax routing, plain
+    top-k over all experts, ``norm_topk_prob`` as config.json says, no scaling. Layer ``i`` is
+    MoE unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (then a
+    dense MLP of ``intermediate_size``). Qwen2-MoE adds one shared expert of
+    ``shared_expert_intermediate_size`` gated per token by a sigmoid; Qwen3-MoE has none. The
+    expert count is ``num_experts`` (published) or ``num_local_experts`` (transformers 5)."""
+
+    shared_expert_intermediate_size: int   # 0: no shared expert (Qwen3-MoE)
+    decoder_sparse_step: int
+    mlp_only_layers: frozenset[int]
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.n_routed_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> "QwenMoeConfig":
+        raw = config.raw
+
+        def need(*keys):
+            value = next((raw[k] for k in keys if raw.get(k) is not None), None)
+            if value is None:
+                raise ValueError(f"config.json of {config.architecture} is missing required key {keys[0]!r}")
+            return value
+
+        experts, per_token = need("num_experts", "num_local_experts"), need("num_experts_per_tok")
+        step = raw.get("decoder_sparse_step") or 1
+        if not 1 <= per_token <= experts:
+            raise ValueError(f"num_experts_per_tok = {per_token} must be between 1 and num_experts = {experts}")
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        return cls(
+            n_routed_experts=experts,
+            num_experts_per_tok=per_token,
+            moe_intermediate_size=need("moe_intermediate_size"),
+            n_shared_experts=0,
+            scoring_func="softmax",
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routed_scaling_factor=1.0,
+            shared_expert_intermediate_size=(need("shared_expert_intermediate_size")
+                                             if config.architecture == "Qwen2MoeForCausalLM" else 0),
+            decoder_sparse_step=step,
+            mlp_only_layers=frozenset(raw.get("mlp_only_layers") or ()),
         )

@@ -28,6 +28,39 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=1024, rope_theta=20000.0, rms_norm_eps=3e-6,
         tie_word_embeddings=True,
     ),
+    # Llama 3.1: llama3 RoPE scaling whose three bands (wavelengths kept, blended, divided by factor) all
+    # occur at head_dim 32, with factors off their defaults, and positions past its 64-token original
+    # context; head_dim != hidden / heads. Llama 3.2 is the same with tie_word_embeddings=True.
+    "LlamaForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=1024, rope_theta=30000.0, rms_norm_eps=2e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                          original_max_position_embeddings=64),
+        tie_word_embeddings=False, attention_bias=False,
+    ),
+    # Mistral without a sliding window (v0.2 onward); GQA 4:1.
+    "MistralForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=1024, rope_theta=40000.0, rms_norm_eps=4e-6, sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE: q/k norm, 8 experts top-2 renormalised; layer 0 dense through mlp_only_layers.
+    "Qwen3MoeForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+        max_position_embeddings=1024, rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    # Qwen2-MoE: QKV bias, 8 experts top-3 not renormalised, a sigmoid-gated shared expert;
+    # decoder_sparse_step 2 makes layers 1 and 3 MoE, 0 and 2 dense.
+    "Qwen2MoeForCausalLM": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+        max_position_embeddings=1024, rope_theta=20000.0, rms_norm_eps=3e-6, tie_word_embeddings=False,
+    ),
     # DeepSeek-V2: MLA with q_lora_rank, v_head_dim != qk dims, YaRN; layer 0 dense, then MoE
     # with 8 routed experts in 4 groups, top-3 from the best 2 groups, routed_scaling_factor != 1.
     "DeepseekV2ForCausalLM": dict(

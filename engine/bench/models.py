@@ -26,6 +26,13 @@ DEEPSEEK_V2 = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek
                                                          original_max_position_embeddings=4096, mscale=0.707,
                                                          mscale_all_dim=0.707),
                    rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16")
+LLAMA3 = dict(architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=131072,
+              rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=8192),
+              rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", max_position_embeddings=40960,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, attention_bias=False, head_dim=128, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], torch_dtype="bfloat16")
 PRESETS: dict[str, dict] = {
     "qwen3-8b": {**QWEN3, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -38,6 +45,13 @@ PRESETS: dict[str, dict] = {
                          "num_key_value_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 6,
                          "n_shared_experts": 2, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                          "v_head_dim": 128},
+    "llama3-8b": {**LLAMA3, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {**QWEN3_MOE, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                      "tie_word_embeddings": False},
     # the CPU tests' models: phases/checkpoints.py's tiny Qwen3 shape, and a tiny V2-Lite
     "tiny-deepseek-v2-lite": {**DEEPSEEK_V2, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
                               "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,

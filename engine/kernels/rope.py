@@ -1,4 +1,4 @@
-"""Rotary-embedding cos/sin caches: plain RoPE and DeepSeek-style YaRN.
+"""Rotary-embedding cos/sin caches: plain RoPE, DeepSeek-style YaRN and Llama 3.1's scaling.
 
 One module-level registry holds each distinct cache once, so every layer of a
 model shares one tensor (36 layers must not allocate 36 copies).
@@ -35,6 +35,23 @@ def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
     return extrapolated / factor * ramp + extrapolated * (1 - ramp)
 
 
+def _llama3_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequencies, by wavelength: shorter than ``original / high_freq_factor`` kept,
+    longer than ``original / low_freq_factor`` divided by ``factor``, those between blended
+    smoothly (never every frequency divided by ``factor``, as linear scaling would)."""
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    if not low < high:
+        raise ValueError(f"rope_scaling llama3 needs low_freq_factor < high_freq_factor, got {low} and {high}")
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    wavelength = 2 * math.pi / inv_freq
+    kept = ((scaling["original_max_position_embeddings"] / wavelength - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
 def _build(max_position: int, rotary_dim: int, base: float, scaling: dict | None,
            dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, float]:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -49,8 +66,10 @@ def _build(max_position: int, rotary_dim: int, base: float, scaling: dict | None
                           / _yarn_mscale(factor, mscale_all_dim)
                           * (scaling.get("attention_factor") or 1.0))
         attn_scale = _yarn_mscale(factor, mscale_all_dim) ** 2
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(rotary_dim, base, scaling)
     else:
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, yarn)")
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, yarn, llama3)")
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
     cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * cos_sin_factor
     return cache.to(dtype=dtype, device=device), attn_scale
@@ -65,10 +84,11 @@ def get_cos_sin_cache(max_position: int, rotary_dim: int, base: float, rope_scal
     cos in its first half and sin in its second (computed in float64, stored in
     ``dtype``); ``attn_scale`` multiplies the softmax scale (1.0, or mscale**2
     for DeepSeek YaRN). ``rope_scaling`` is a HF-style dict whose ``rope_type``
-    (or ``type``) is ``"default"`` or ``"yarn"`` (keys ``factor``,
+    (or ``type``) is ``"default"``, ``"yarn"`` (keys ``factor``,
     ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``,
-    ``mscale``, ``mscale_all_dim``, ``attention_factor``). Equal arguments
-    return the same tensor object.
+    ``mscale``, ``mscale_all_dim``, ``attention_factor``) or ``"llama3"`` (keys
+    ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``). Equal arguments return the same tensor object.
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")

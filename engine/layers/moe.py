@@ -1,24 +1,33 @@
-"""Mixture of experts (DeepSeek-V2/V3): a replicated router, routed experts split over
-the expert-parallel group, shared experts as a tensor-parallel dense MLP."""
+"""Mixture of experts (DeepSeek-V2/V3, Qwen2/Qwen3-MoE): a replicated router, routed experts
+split over the expert-parallel group, shared experts as a tensor-parallel dense MLP (Qwen2-MoE:
+one shared expert gated per token by a sigmoid)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import DeepseekConfig
-from engine.distributed import TPGroup, all_reduce_sum
-from engine.layers.linear import divide, new_parameter
+from engine.config import MoEConfig, QwenMoeConfig
+from engine.distributed import TPGroup, all_reduce_sum, get_ep_group, get_tp_group
+from engine.layers.linear import ReplicatedLinear, divide, new_parameter
 from engine.layers.mlp import SwiGLUMLP, swiglu
 
 DENSE_MAX_TOKENS = 64  # up to this many tokens, every local expert runs on every token (no host sync)
 
 
+def expert_group(tp: TPGroup) -> TPGroup:
+    """The expert-parallel group of a model built over ``tp``: the engine's EP group when ``tp``
+    is the engine's TP group, else ``tp``'s ranks under the name "ep" (a rank built in one process)."""
+    return get_ep_group() if tp == get_tp_group() else dataclasses.replace(tp, name="ep")
+
+
 class TopKRouter(nn.Module):
     """``x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)``, replicated on every rank.
 
-    Scores are softmax (V2) or sigmoid (V3) of ``x W^T`` in float32. Experts are chosen from
+    Scores are softmax (V2, Qwen) or sigmoid (V3) of ``x W^T`` in float32. Experts are chosen from
     ``scores + e_score_correction_bias`` (the bias exists for ``noaux_tc`` only): ``greedy``
     takes the top k of all; ``group_limited_greedy`` / ``noaux_tc`` first keep the
     ``topk_group`` best of ``n_group`` expert groups, a group scored by its best expert
@@ -27,7 +36,7 @@ class TopKRouter(nn.Module):
     ``norm_topk_prob``, then times ``routed_scaling_factor``.
     """
 
-    def __init__(self, hidden_size: int, ds: DeepseekConfig):
+    def __init__(self, hidden_size: int, ds: MoEConfig):
         super().__init__()
         self.ds = ds
         self.weight = nn.Parameter(torch.empty(ds.n_routed_experts, hidden_size, dtype=torch.float32),
@@ -174,7 +183,7 @@ class MoE(nn.Module):
     """``[T, H] -> [T, H]``: routed experts (expert-parallel, one all-reduce over the EP group)
     plus ``n_shared_experts`` shared experts run as one TP dense MLP on every token."""
 
-    def __init__(self, hidden_size: int, ds: DeepseekConfig, tp: TPGroup, ep: TPGroup):
+    def __init__(self, hidden_size: int, ds: MoEConfig, tp: TPGroup, ep: TPGroup):
         super().__init__()
         self.ep = ep
         self.gate = TopKRouter(hidden_size, ds)
@@ -188,3 +197,17 @@ class MoE(nn.Module):
         if self.ep.size > 1:
             out = all_reduce_sum(out, self.ep.name)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class GatedSharedExpertMoE(MoE):
+    """Qwen2-MoE's block, ``[T, H] -> [T, H]``: ``MoE``'s routed experts plus one shared expert
+    (a TP SwiGLU MLP of ``shared_expert_intermediate_size``) whose output each token scales by
+    ``sigmoid(shared_expert_gate(x))``, a replicated ``H -> 1`` projection."""
+
+    def __init__(self, hidden_size: int, cfg: QwenMoeConfig, tp: TPGroup, ep: TPGroup):
+        super().__init__(hidden_size, cfg, tp, ep)
+        self.shared_expert = SwiGLUMLP(hidden_size, cfg.shared_expert_intermediate_size, tp)
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -2,13 +2,11 @@
 then mixture-of-experts layers (routed experts expert-parallel, shared experts TP)."""
 from __future__ import annotations
 
-import dataclasses
-
 from engine.config import DeepseekConfig, ModelConfig
-from engine.distributed import TPGroup, get_ep_group, get_tp_group
+from engine.distributed import TPGroup, get_tp_group
 from engine.layers.mla import MultiHeadLatentAttention
 from engine.layers.mlp import SwiGLUMLP
-from engine.layers.moe import DENSE_MAX_TOKENS, MoE
+from engine.layers.moe import DENSE_MAX_TOKENS, MoE, expert_group
 from engine.models.decoder import CausalLM, DecoderLayer
 
 
@@ -42,7 +40,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, ep: TPGroup | None = None):
         tp = tp or get_tp_group()
-        ep = ep or (get_ep_group() if tp == get_tp_group() else dataclasses.replace(tp, name="ep"))
+        ep = ep or expert_group(tp)
         ds = DeepseekConfig.from_model_config(config)
         super().__init__(config, (DeepseekV2DecoderLayer(config, ds, i, tp, ep)
                                   for i in range(config.num_hidden_layers)), tp)

@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen3 dense decoder (GQA attention, SwiGLU MLP, RMSNorm, neox RoPE)."""
+"""Qwen2 / Qwen3 dense decoder (GQA attention, SwiGLU MLP, RMSNorm, neox RoPE), which is also
+Llama 3.x's and Mistral's: the same layer with no QKV bias and no q/k norm (config.json says
+which), Llama 3.1's RoPE scaling in the shared cos/sin table."""
 from __future__ import annotations
 
 import torch
@@ -19,10 +21,15 @@ from engine.models.decoder import CausalLM, DecoderLayer
 class QwenAttention(nn.Module):
     """hidden [T, H] -> [T, H]: one QKV GEMM; (Qwen3) per-head q/k RMSNorm, neox RoPE and the
     K/V cache write in one op (``kernels.qk_norm_rope_store``); paged attention; o_proj with
-    one all-reduce."""
+    one all-reduce. Attention is full causal: a checkpoint with a sliding window that can bind
+    (``config.sliding_window``) is refused here, never run as if it had none."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
+        if config.sliding_window is not None:
+            raise ValueError(f"sliding_window = {config.sliding_window} in config.json ({config.architecture}): "
+                             "sliding-window attention is not implemented (attention here is full causal, which "
+                             f"differs once a context exceeds {config.sliding_window} tokens); use --backend hf")
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.qkv_bias, tp=tp)
@@ -57,7 +64,8 @@ class QwenDecoderLayer(DecoderLayer):
 
 
 class QwenForCausalLM(CausalLM):
-    """Qwen2ForCausalLM / Qwen3ForCausalLM (``CausalLM``'s forward and compute_logits).
+    """Qwen2ForCausalLM / Qwen3ForCausalLM, LlamaForCausalLM / MistralForCausalLM
+    (``CausalLM``'s forward and compute_logits).
     Checkpoint q/k/v and gate/up tensors load into the merged projections through
     ``packed_modules``.
     """

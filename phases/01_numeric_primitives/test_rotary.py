@@ -15,6 +15,10 @@ MAX_POSITION = 4096
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 0.707, "mscale_all_dim": 0.707}
 YARN_UNEVEN_MSCALE = {**YARN, "mscale": 1.0, "mscale_all_dim": 0.8}  # cos/sin carry a factor != 1 too
+LLAMA3_1 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}  # Llama 3.1 as published (rope_theta 500000)
+LLAMA3_OFF_DEFAULT = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                      "original_max_position_embeddings": 4096}
 
 
 def test_cos_sin_cache_is_max_position_by_rotary_dim_cos_then_sin():
@@ -41,6 +45,8 @@ def test_cos_sin_cache_rejects_bad_arguments():
         get_cos_sin_cache(16, 7, BASE)
     with pytest.raises(ValueError, match="rope scaling"):
         get_cos_sin_cache(16, 8, BASE, {"rope_type": "longrope"})
+    with pytest.raises(ValueError, match="llama3 lacks low_freq_factor"):
+        get_cos_sin_cache(16, 8, BASE, {k: v for k, v in LLAMA3_1.items() if k != "low_freq_factor"})
 
 
 def rotary_truth(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, is_neox: bool) -> torch.Tensor:
@@ -150,3 +156,37 @@ def test_rotary_gptj_yarn_matches_hf_deepseek_v2(target, scaling):
     target.ops.rotary_embedding(positions.to(target.device), wrong_style, None, 64, cache, True)
     err = (wrong_style.double().cpu() - want_q[0].transpose(0, 1).double()).norm() / want_q.double().norm()
     assert err > 0.1, "neox and GPT-J styles must not be interchangeable (FM-007)"
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3_1, LLAMA3_OFF_DEFAULT], ids=["llama3.1", "off-default-factors"])
+def test_rotary_llama3_scaling_matches_hf_llama(target, scaling):
+    """Second oracle: transformers' Llama rotary embedding with llama3 scaling (frequencies from
+    ``_compute_llama3_parameters``: short wavelengths kept, long ones divided by ``factor``, the
+    band between blended) and its q/k rotation at positions up to 4x (8x) past the original context.
+    Linear scaling (every frequency divided by ``factor``) is far from HF's, so it fails here."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    max_position, base = 32768, 500000.0
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position, rope_parameters={**scaling, "rope_theta": base})
+    rotary = LlamaRotaryEmbedding(config)
+    hf_freqs = rotary.inv_freq.double()
+    table, attn_scale = get_cos_sin_cache(max_position, 128, base, scaling, dtype=torch.float64)
+    assert attn_scale == 1.0 and rotary.attention_scaling == 1.0
+    assert_close(torch.atan2(table[1, 64:], table[1, :64]), hf_freqs, 1e-6, "llama3 frequencies vs HF")
+    linear = base ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128) / scaling["factor"]
+    assert ((linear - hf_freqs).abs() / hf_freqs).max() > 0.5, "linear scaling must not pass for llama3"
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = min(target.max_tokens, 64)
+    q, k = torch.randn(tokens, 4, 128, generator=gen), torch.randn(tokens, 2, 128, generator=gen)
+    positions = torch.randint(0, max_position, (tokens,), generator=gen)
+    cos, sin = rotary(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    cache, _ = get_cos_sin_cache(max_position, 128, base, scaling, dtype=target.dtype, device=target.device)
+    query, key = q.to(target.dtype).to(target.device), k.to(target.dtype).to(target.device)
+    target.ops.rotary_embedding(positions.to(target.device), query, key, 128, cache, True)
+    tol = max(target.tol, 1e-3)  # HF computes the angles in float32
+    assert_close(query, want_q[0].transpose(0, 1), tol, "query vs HF Llama (llama3 scaling)")
+    assert_close(key, want_k[0].transpose(0, 1), tol, "key vs HF Llama (llama3 scaling)")

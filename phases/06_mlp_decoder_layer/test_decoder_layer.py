@@ -2,6 +2,7 @@
 random weights; the fused residual chain uses each layer's own norm weights."""
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -15,7 +16,7 @@ from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
 
-HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
+HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2, "LlamaForCausalLM": modeling_llama}
 PACKED = QwenForCausalLM.packed_modules
 
 
@@ -60,7 +61,7 @@ def test_rmsnorm_returns_a_pair_in_both_branches():
                  "with a residual")
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_decoder_layer_matches_hf(arch, first_layer):
     """Paged prefill + decode through one decoder layer; the layer's output is

@@ -1,18 +1,21 @@
-"""DeepSeek mixture of experts against HF transformers' DeepseekV2/V3 MoE with the same
-random weights: the experts chosen per token and their weights (softmax + greedy,
-softmax + group-limited, sigmoid + e_score_correction_bias + noaux_tc, norm_topk_prob,
-routed_scaling_factor), the layer output through each expert path (gathered, dense,
-grouped), routed experts split over EP ranks, and a decode step with no host sync."""
+"""Mixtures of experts against HF transformers' DeepseekV2/V3 MoE and Qwen3-MoE / Qwen2-MoE
+sparse blocks with the same random weights: the experts chosen per token and their weights
+(softmax + greedy, softmax + group-limited, sigmoid + e_score_correction_bias + noaux_tc,
+norm_topk_prob on and off, routed_scaling_factor), the layer output through each expert path
+(gathered, dense, grouped), Qwen2-MoE's sigmoid-gated shared expert, routed experts split over
+EP ranks, and a decode step with no host sync."""
 import pytest
 import torch
 from torch import nn
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from engine.config import DeepseekConfig
+from engine.config import DeepseekConfig, QwenMoeConfig
 from engine.distributed import TPGroup
 from engine.layers import moe as moe_module
-from engine.layers.moe import MoE
+from engine.layers.moe import GatedSharedExpertMoE, MoE
 from engine.loader import load_weights
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from phases.checkpoints import V2_LITE, randomize_weights
@@ -23,9 +26,17 @@ VARIANTS = {
     "V2-Lite": ("DeepseekV2ForCausalLM", V2_LITE),
     "V3": ("DeepseekV3ForCausalLM", {}),
     "V3-unnormalised": ("DeepseekV3ForCausalLM", dict(norm_topk_prob=False)),
+    "Qwen3-MoE": ("Qwen3MoeForCausalLM", {}),                                   # norm_topk_prob on
+    "Qwen2-MoE": ("Qwen2MoeForCausalLM", {}),                                   # off, gated shared expert
+    "Qwen2-MoE-normalised": ("Qwen2MoeForCausalLM", dict(norm_topk_prob=True)),
 }
 HF_MOE = {"DeepseekV2ForCausalLM": modeling_deepseek_v2.DeepseekV2Moe,
-          "DeepseekV3ForCausalLM": modeling_deepseek_v3.DeepseekV3MoE}
+          "DeepseekV3ForCausalLM": modeling_deepseek_v3.DeepseekV3MoE,
+          "Qwen3MoeForCausalLM": modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+          "Qwen2MoeForCausalLM": modeling_qwen2_moe.Qwen2MoeSparseMoeBlock}
+# our block and its config per family (the decoder layers' choice is checked in phase 07)
+OURS = {"DeepseekV2ForCausalLM": (MoE, DeepseekConfig), "DeepseekV3ForCausalLM": (MoE, DeepseekConfig),
+        "Qwen3MoeForCausalLM": (MoE, QwenMoeConfig), "Qwen2MoeForCausalLM": (GatedSharedExpertMoE, QwenMoeConfig)}
 
 
 def hf_moe(variant, seed):
@@ -59,7 +70,8 @@ def published_tensors(hf: nn.Module):
 def engine_moe(variant, hf, ep=TPGroup(name="ep"), tp=TPGroup()):
     arch, overrides = VARIANTS[variant]
     config = engine_config(arch, **overrides)
-    ours = MoE(config.hidden_size, DeepseekConfig.from_model_config(config), tp, ep)
+    block, moe_config = OURS[arch]
+    ours = block(config.hidden_size, moe_config.from_model_config(config), tp, ep)
     holder = nn.Module()
     holder.packed_modules = DeepseekV2ForCausalLM.packed_modules
     holder.expert_params = DeepseekV2ForCausalLM.expert_params
@@ -101,7 +113,26 @@ def test_moe_layer_matches_hf(variant, tokens):
         assert rel_err(ours(x), hf(x[None])[0]) < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["V2", "V3"])
+def test_qwen2_moe_shared_expert_is_gated_per_token_by_a_sigmoid():
+    """With the routed experts silenced (zero down projections), Qwen2-MoE's block is HF's shared
+    expert times sigmoid(x . shared_expert_gate) per token, in float64 here: the gate is neither
+    missing (a factor of 1) nor another squashing, and it differs between tokens."""
+    torch.manual_seed(0)
+    cfg, hf = hf_moe("Qwen2-MoE", seed=5)
+    with torch.no_grad():
+        hf.shared_expert_gate.weight.mul_(20)  # gate logits of order 1: sigmoid far from 0.5 and 1
+    ours = engine_moe("Qwen2-MoE", hf)
+    x = torch.randn(20, cfg.hidden_size)
+    with torch.no_grad():
+        ours.experts.down_proj.zero_()
+        gate = torch.sigmoid(x.double() @ hf.shared_expert_gate.weight.double().T)     # [T, 1]
+        want = gate * hf.shared_expert(x).double()
+        got = ours(x)
+    assert gate.min() < 0.3 and gate.max() > 0.7, "the test's gate values must spread"
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["V2", "V3", "Qwen3-MoE", "Qwen2-MoE"])
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("tokens", [2, 20, 100])
 def test_routed_experts_split_over_ep_ranks(variant, size, tokens):
@@ -113,7 +144,7 @@ def test_routed_experts_split_over_ep_ranks(variant, size, tokens):
     routed = 0
     for rank in range(size):
         ours = engine_moe(variant, hf, ep=TPGroup(rank=rank, size=size, name="ep"))
-        local = cfg.n_routed_experts // size
+        local = hf.experts.gate_up_proj.shape[0] // size
         assert ours.experts.gate_up_proj.shape == (local, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
         assert ours.experts.expert_start == rank * local
         torch.testing.assert_close(ours.experts.down_proj[0], hf.experts.down_proj[rank * local].detach())
@@ -125,15 +156,16 @@ def test_routed_experts_split_over_ep_ranks(variant, size, tokens):
     assert rel_err(routed, want) < 1e-5
 
 
+@pytest.mark.parametrize("variant", ["V3", "Qwen3-MoE", "Qwen2-MoE"])
 @pytest.mark.parametrize("tokens", [2, 20, 100])  # gathered, dense, grouped
-def test_moe_has_no_host_sync_at_any_step_size(monkeypatch, tokens):
+def test_moe_has_no_host_sync_at_any_step_size(monkeypatch, variant, tokens):
     """No host read of a device value and no copy, on each of the three expert paths (the
     grouped one finds its group ends on the device: a decode batch past DENSE_MAX_TOKENS or a
-    prefill does not stall the host)."""
+    prefill does not stall the host), Qwen2-MoE's gated shared expert included."""
     from phases.harness import assert_no_host_sync_and_no_copies, count_step
 
-    cfg, hf = hf_moe("V3", seed=4)
-    ours = engine_moe("V3", hf)
+    cfg, hf = hf_moe(variant, seed=4)
+    ours = engine_moe(variant, hf)
     torch.manual_seed(0)
     x = torch.randn(tokens, cfg.hidden_size)
     assert_no_host_sync_and_no_copies(count_step(lambda: ours(x), monkeypatch))

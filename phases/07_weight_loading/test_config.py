@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, QwenMoeConfig
+from engine.layers.moe import GatedSharedExpertMoE, MoE
 from engine.models.registry import build_model
 
 # The published Qwen3-8B config.json (external data, not produced by our code).
@@ -70,8 +71,8 @@ def test_bad_model_dirs_are_clear_errors(tmp_path):
 
 
 def test_unknown_architecture_is_an_error_naming_it():
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        build_model(ModelConfig.from_dict(dict(QWEN3_8B, architectures=["LlamaForCausalLM"])), "meta")
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
+        build_model(ModelConfig.from_dict(dict(QWEN3_8B, architectures=["GPTNeoXForCausalLM"])), "meta")
 
 
 def test_model_is_built_in_its_final_dtype_without_a_float32_copy():
@@ -103,7 +104,8 @@ def test_model_is_built_in_its_final_dtype_without_a_float32_copy():
     assert torch.get_default_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                  "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_tiny_config_values_reach_the_config_and_every_norm(tiny_checkpoint, arch):
     """FM-033: the tiny checkpoints' rms_norm_eps and rope_theta differ from every default, but float32
     logits cannot tell eps 1e-5 from 1e-6 (the change is far below the 1e-4 tolerance), so the values are
@@ -129,3 +131,145 @@ def test_tiny_config_values_reach_the_config_and_every_norm(tiny_checkpoint, arc
     table, _ = kernels.get_cos_sin_cache(raw["max_position_embeddings"], head_dim, raw["rope_theta"],
                                          config.rope_scaling)
     assert rotary.cos_sin_cache is table, "the rotary table is not the one for config.json's rope_theta"
+
+
+# Published config.json files (external data): Llama 3.1 8B, Llama 3.2 1B (tied), Mistral 7B v0.1
+# (a sliding window) and v0.3 (none), Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B (Qwen2-MoE).
+LLAMA3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+LLAMA3_2_1B = {
+    **LLAMA3_1_8B, "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "tie_word_embeddings": True,
+    "rope_scaling": {**LLAMA3_1_8B["rope_scaling"], "factor": 32.0},
+}
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 32000,
+}
+MISTRAL_7B_V03 = {**MISTRAL_7B_V01, "rope_theta": 1000000.0, "sliding_window": None, "vocab_size": 32768}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN1_5_MOE_A2_7B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+    "moe_intermediate_size": 1408, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "shared_expert_intermediate_size": 5632, "sliding_window": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def transformers5(cfg: dict, **renames) -> dict:
+    """The same config as transformers 5 writes it: rope_parameters (with rope_theta), dtype, and
+    ``renames`` (old key -> new key, e.g. Qwen3-MoE's num_experts -> num_local_experts)."""
+    out = {renames.get(k, k): v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    out["rope_parameters"] = {**(cfg.get("rope_scaling") or {"rope_type": "default"}), "rope_theta": cfg["rope_theta"]}
+    out["dtype"] = cfg["torch_dtype"]
+    return out
+
+
+@pytest.mark.parametrize("published,params", [(LLAMA3_1_8B, 8.03e9), (LLAMA3_2_1B, 1.24e9)], ids=["3.1-8B", "3.2-1B"])
+def test_published_llama3_configs(published, params):
+    """Llama 3.x: llama3 rope scaling read as such, head_dim from config.json or hidden / heads, no
+    QKV bias, no q/k norm, no window; the model built (on meta) has the published parameter count."""
+    c = ModelConfig.from_dict(published)
+    assert c.rope_scaling == published["rope_scaling"] and c.rope_theta == 500000.0
+    assert c.head_dim == published.get("head_dim", 128) and c.rms_norm_eps == 1e-5
+    assert not (c.qkv_bias or c.qk_norm) and c.sliding_window is None
+    assert c.tie_word_embeddings == published["tie_word_embeddings"]
+    model = build_model(c, "meta", torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
+
+
+@pytest.mark.parametrize("published,renames", [(LLAMA3_1_8B, {}), (MISTRAL_7B_V03, {}),
+                                               (QWEN3_30B_A3B, {"num_experts": "num_local_experts"}),
+                                               (QWEN1_5_MOE_A2_7B, {})], ids=["llama", "mistral", "qwen3-moe",
+                                                                               "qwen2-moe"])
+def test_new_architectures_read_the_same_in_the_transformers5_form(published, renames):
+    a, b = ModelConfig.from_dict(published), ModelConfig.from_dict(transformers5(published, **renames))
+    assert a == b
+    if "num_experts" in published:
+        assert QwenMoeConfig.from_model_config(a) == QwenMoeConfig.from_model_config(b)
+
+
+def test_published_qwen_moe_configs():
+    """Qwen3-30B-A3B: 128 experts top-8 renormalised, every layer MoE, q/k norm, no shared expert;
+    Qwen1.5-MoE: 60 experts top-4 not renormalised, a 5632-wide gated shared expert, QKV bias, and
+    its sliding_window 32768 unused (use_sliding_window false). Built on meta: the published sizes."""
+    q3 = ModelConfig.from_dict(QWEN3_30B_A3B)
+    moe = QwenMoeConfig.from_model_config(q3)
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    assert moe.norm_topk_prob and moe.shared_expert_intermediate_size == 0
+    assert (moe.scoring_func, moe.topk_method, moe.routed_scaling_factor) == ("softmax", "greedy", 1.0)
+    assert q3.qk_norm and not q3.qkv_bias and q3.sliding_window is None
+    model = build_model(q3, "meta", torch.bfloat16)
+    assert all(type(layer.mlp) is MoE for layer in model.model.layers)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(30.53e9, rel=0.01)
+
+    q2 = ModelConfig.from_dict(QWEN1_5_MOE_A2_7B)
+    moe = QwenMoeConfig.from_model_config(q2)
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.shared_expert_intermediate_size) == (60, 4, 5632)
+    assert not moe.norm_topk_prob and q2.qkv_bias and not q2.qk_norm and q2.sliding_window is None
+    model = build_model(q2, "meta", torch.bfloat16)
+    assert all(type(layer.mlp) is GatedSharedExpertMoE for layer in model.model.layers)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(14.32e9, rel=0.01)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ({"num_experts": None}, "num_experts"),
+    ({"num_experts_per_tok": 200}, "num_experts_per_tok = 200"),
+    ({"decoder_sparse_step": -1}, "decoder_sparse_step"),
+])
+def test_bad_qwen_moe_configs_are_errors_naming_the_key(edit, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(ModelConfig.from_dict({**QWEN3_30B_A3B, **edit}), "meta")
+
+
+def test_qwen2_moe_without_its_shared_expert_size_is_an_error():
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        build_model(ModelConfig.from_dict({**QWEN1_5_MOE_A2_7B, "shared_expert_intermediate_size": None}), "meta")
+
+
+@pytest.mark.parametrize("published,window", [
+    (MISTRAL_7B_V01, 4096),
+    ({**QWEN1_5_MOE_A2_7B, "use_sliding_window": True, "sliding_window": 4096}, 4096),
+    ({**QWEN3_8B, "use_sliding_window": True, "sliding_window": 4096}, 4096),
+])
+def test_a_sliding_window_that_can_bind_is_refused(published, window):
+    """FM-053: attention here is full causal; a configured window shorter than the model's context
+    is refused when the model is built (config reading keeps it), never run as if absent."""
+    c = ModelConfig.from_dict(published)
+    assert c.sliding_window == window
+    with pytest.raises(ValueError, match=f"sliding_window = {window}.*not implemented"):
+        build_model(c, "meta", torch.bfloat16)
+
+
+@pytest.mark.parametrize("published", [
+    MISTRAL_7B_V03,                                             # null
+    {**MISTRAL_7B_V01, "sliding_window": 32768},                # covers max_position_embeddings: never binds
+    {**QWEN3_8B, "use_sliding_window": False, "sliding_window": 4096},  # Qwen's flag off
+    transformers5({**QWEN1_5_MOE_A2_7B, "sliding_window": 0}),  # transformers 5 writes 0 for "none"
+], ids=["null", "covers-context", "qwen-flag-off", "zero"])
+def test_a_window_that_never_binds_is_full_attention(published):
+    c = ModelConfig.from_dict(published)
+    assert c.sliding_window is None
+    build_model(c, "meta", torch.bfloat16)

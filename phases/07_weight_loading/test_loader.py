@@ -37,7 +37,7 @@ def expected_parameters(state, config):
     return want
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_every_parameter_holds_its_checkpoint_tensor(tiny_checkpoint, arch, sharded):
     model_dir = tiny_checkpoint(arch, seed=7, sharded=sharded)

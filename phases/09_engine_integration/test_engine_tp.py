@@ -13,7 +13,8 @@ MAX_NEW = 10
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM", "LlamaForCausalLM",
+                                  "Qwen2MoeForCausalLM"])
 def test_tp_greedy_matches_single_process(tp_group, tp_device, tiny_checkpoint, arch, monkeypatch):
     """Greedy tokens at TP = world size equal transformers' (single process, float32) in every
     rank, with queued requests and prefix hits; only rank 0 runs the sampling math."""

@@ -105,8 +105,8 @@ def test_routes_by_architecture(checkpoints, engines, tmp_path):
             (path / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
         return edit
 
-    with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'.*Qwen3ForCausalLM"):
-        LLMEngine(variant("llama", set_arch("LlamaForCausalLM")), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPTNeoXForCausalLM'.*Qwen3ForCausalLM"):
+        LLMEngine(variant("neox", set_arch("GPTNeoXForCausalLM")), **ENGINE_ARGS)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLMEngine(tmp_path / "nowhere", **ENGINE_ARGS)
     with pytest.raises(FileNotFoundError, match="no config.json"):
