@@ -187,10 +187,11 @@ def throughput_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, m
 
 def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int], temperature: float,
                        desc: str = "throughput") -> dict:
-    """Submit every request at once and step until all finish (prefills and decodes timed)."""
+    """Submit every request at once and step until all finish (prefills and decodes timed);
+    ``host_ms_per_step``: the engine's host time per step, waits for the device excluded."""
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
               for i, n in enumerate(output_lens)]
-    steps_before = engine.num_steps
+    steps_before, host_before = engine.num_steps, engine.host_seconds
     start = time.perf_counter()
     ids = [engine.add_request(p, sp, detokenize=False) for p, sp in zip(prompts, params)]
     with tqdm(total=len(ids), desc=desc, unit="req") as bar:
@@ -205,6 +206,8 @@ def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int],
     output_tokens = sum(len(o.token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), (output_tokens, sum(output_lens))
     input_tokens = sum(map(len, prompts))
+    steps = engine.num_steps - steps_before
     return {"num_seqs": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
-            "steps": engine.num_steps - steps_before, "seconds": seconds, "output_tok_s": output_tokens / seconds,
-            "total_tok_s": (input_tokens + output_tokens) / seconds}
+            "steps": steps, "seconds": seconds, "output_tok_s": output_tokens / seconds,
+            "total_tok_s": (input_tokens + output_tokens) / seconds, "overlap": engine.overlap,
+            "host_ms_per_step": 1e3 * (engine.host_seconds - host_before) / steps}

@@ -103,7 +103,9 @@ def bench_overlap(num_seqs_list: list[int], gpu_ms_one: float, gpu_ms_full: floa
     results = []
     for num_seqs in num_seqs_list:
         for overlap in (False, True):
-            engine = LLMEngine(max_num_seqs=full, max_model_len=prompt_len + output_len, dtype="bfloat16",
+            # the pool holds max_num_seqs x max_model_len tokens: one block of room beyond the requests' own
+            # keeps the free-block watermark from holding the last one back
+            engine = LLMEngine(max_num_seqs=full, max_model_len=prompt_len + output_len + 16, dtype="bfloat16",
                                overlap=overlap, max_num_batched_tokens=max(8192, full * prompt_len))
             device = SimulatedDevice(engine.runner, engine.config.vocab_size, gpu_ms_one, gpu_ms_full, full)
             engine.runner.launch = device.launch

@@ -5,8 +5,14 @@ stop strings, ``max_tokens`` 1, seeded sampling, aborts mid-generation, preempti
 pool, prefix-cache hits, long prompts prefilled in chunks while others decode — for a Qwen3 and
 a DeepSeek (MLA) checkpoint; and a mixed step's logits equal transformers' for the same
 sequences run as a separate prefill and decode."""
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
@@ -141,3 +147,78 @@ def test_mixed_step_logits_equal_separate_prefill_and_decode(checkpoints, arch):
         engine.abort_request(rid)
     engine.step()
     assert_no_block_leaks(engine)
+
+
+MACHINE_PROMPTS = [list(range(2, 5)), list(range(7, 16)), list(range(30, 41)), [9, 9, 9, 9, 9, 9, 9, 9, 9]]
+
+
+class OverlappedEngineMachine(RuleBasedStateMachine):
+    """Random add / abort / step sequences on one overlapped engine over a tiny KV pool (so it
+    preempts), against free greedy runs of each prompt: every request is reported finished by
+    step() exactly once; its tokens are a prefix of its free run, cut exactly where its stop
+    token id first appears or at max_tokens (no token computed after it finished reaches the
+    output); an idle engine holds every KV block and row free."""
+
+    engine: LLMEngine | None = None  # one engine for every example (built on first use)
+    free_runs: list[list[int]] = []
+
+    @initialize()
+    def setup(self):
+        cls = type(self)
+        if cls.engine is None:
+            path = make_tiny_checkpoint(Path(tempfile.mkdtemp()), "Qwen3ForCausalLM", seed=41)
+            sync = LLMEngine(path, overlap=False, block_size=4, max_num_seqs=3, max_num_batched_tokens=12,
+                             max_model_len=64)
+            cls.free_runs = sync.generate_tokens(MACHINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                ignore_eos=True))
+            cls.engine = LLMEngine(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=64)
+            shrink_kv_pool(cls.engine, 10)
+        assert_no_block_leaks(self.engine)
+        self.requests: dict[str, tuple[int, SamplingParams]] = {}
+        self.reported: set[str] = set()
+
+    @rule(prompt=st.integers(0, len(MACHINE_PROMPTS) - 1), max_tokens=st.integers(1, 8),
+          stop_at=st.one_of(st.none(), st.integers(0, 7)))
+    def add(self, prompt, max_tokens, stop_at):
+        stop = [] if stop_at is None else [self.free_runs[prompt][stop_at]]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop)
+        self.requests[self.engine.add_request(MACHINE_PROMPTS[prompt], params)] = (prompt, params)
+
+    @precondition(lambda self: any(rid not in self.reported for rid in self.requests))
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(rid for rid in self.requests if rid not in self.reported)))
+        self.engine.abort_request(rid)
+
+    @rule()
+    def step(self):
+        for out in self.engine.step():
+            assert out.finished and out.request_id not in self.reported, "a request reported twice"
+            self.reported.add(out.request_id)
+            self.check(self.engine.pop_request(out.request_id))
+
+    def check(self, out):
+        prompt, params = self.requests[out.request_id]
+        free, tokens = self.free_runs[prompt], out.token_ids
+        assert tokens == free[:len(tokens)], "tokens differ from the free greedy run"
+        stop = next((i + 1 for i, t in enumerate(free) if t in params.stop_token_ids), None)
+        end = min(params.max_tokens, stop or params.max_tokens)
+        if out.finish_reason == "abort":
+            assert len(tokens) <= end
+        else:
+            assert len(tokens) == end, f"{out.finish_reason}: {len(tokens)} tokens, expected {end}"
+            assert out.finish_reason == ("stop" if stop is not None and stop <= params.max_tokens else "length")
+
+    def teardown(self):
+        if self.engine is None:
+            return
+        while self.engine.has_unfinished_requests():
+            self.step()
+        self.step()
+        assert self.reported == set(self.requests), "a request was never reported finished"
+        assert_no_block_leaks(self.engine)
+
+
+OverlappedEngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
+                                                     suppress_health_check=[HealthCheck.too_slow])
+test_overlapped_engine_state_machine = OverlappedEngineMachine.TestCase

@@ -117,12 +117,30 @@ def test_throughput(capsys, tiny_checkpoint, source):
     assert close(result["output_tok_s"], result["output_tokens"] / result["seconds"])
     assert close(result["total_tok_s"], (result["input_tokens"] + result["output_tokens"]) / result["seconds"])
     assert result["steps"] >= max(output_lens)  # at least one decode step per token of the longest output
+    assert result["overlap"] is True and 0 < result["host_ms_per_step"] < 1e3 * result["seconds"]
     if source == "checkpoint":
         compare = report["compare_hf"]
         ours, hf = compare["ours"], compare["hf_eager"]
         assert ours["num_seqs"] == hf["num_seqs"] == 3 and ours["output_tokens"] == hf["output_tokens"]
         assert hf["output_tokens"] == 3 * hf["output_len"] and str(hf["output_len"]) in compare["subset"]
         assert compare["ratios"] == {"ours_vs_eager": pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])}
+
+
+def test_overlap_bench_reports_both_modes_on_a_simulated_device(capsys):
+    """``bench overlap``: each batch size in both modes, with its host, device and step time per
+    step and the floor its mode should reach (max(host, device) overlapped, the sum without);
+    the device time is the simulated one, linear in the batch size. No timing is asserted."""
+    report = bench(capsys, "overlap", "--num-seqs", "1,6", "--gpu-ms", "2,4", "--prompt-len", 8, "--output-len", 6)
+    assert report["bench"] == "overlap" and report["simulated_device"]["full_batch"] == 6
+    rows = report["results"]
+    assert [(r["num_seqs"], r["overlap"]) for r in rows] == [(1, False), (1, True), (6, False), (6, True)]
+    for row in rows:
+        assert row["steps"] >= 5 and all(math.isfinite(v) and v > 0 for k, v in row.items() if k.endswith("_ms"))
+        assert row["gpu_ms_per_step"] == pytest.approx(2.0 if row["num_seqs"] == 1 else 4.0)
+        parts = (row["host_ms_per_step"], row["gpu_ms_per_step"])
+        assert row["floor_ms"] == pytest.approx(max(parts) if row["overlap"] else sum(parts))
+    for sync, overlapped in zip(rows[::2], rows[1::2]):
+        assert overlapped["speedup_vs_sync"] == pytest.approx(sync["step_ms"] / overlapped["step_ms"])
 
 
 def test_trace_check_flags_compiled_and_graph_events(tmp_path):
