@@ -1,6 +1,7 @@
 """Host cost of the engine's step bookkeeping, the part of a step that is not the model:
-preparing a decode step's inputs (block tables, static buffers) at 256 running sequences, and
-sampling at B=256 over a 151,936-token vocabulary (greedy, and top-k/top-p/temperature).
+planning and staging a decode step's inputs (rows, block tables, static buffers, the previous
+step's ids fed on the device) at 256 running sequences, and sampling at B=256 over a
+151,936-token vocabulary (greedy, and top-k/top-p/temperature).
 
     python scripts/bench_runner_host.py [--device cuda] [--context 4096] [--block-size 16]
 
@@ -34,6 +35,8 @@ def timed(fn, device, repeat: int = 20) -> float:
 
 def main() -> None:
     from engine.llm_engine import LLMEngine
+    from engine.model_runner import LaunchedStep
+    from engine.scheduler import ScheduledBatch
     from engine.sequence import SamplingParams, Sequence
     from phases.checkpoints import make_tiny_checkpoint
 
@@ -55,28 +58,42 @@ def main() -> None:
     for i in range(args.num_seqs):
         seq = Sequence([(i * 7 + j) % 500 + 2 for j in range(args.context)], SamplingParams(max_tokens=8))
         bm.allocate(seq)
-        seq.output_token_ids.append(3)
+        seq.num_pending_tokens = 1  # its newest token was sampled by the previous step, still on the device
         bm.append_slot(seq)
         seqs.append(seq)
-    runner._sync_block_tables(seqs)  # first sight of each table: written once
+    n = args.num_seqs
+    previous = LaunchedStep(ScheduledBatch(seqs, [args.context - 1] * n, [1] * n, [True] * n),
+                            torch.zeros(n, dtype=torch.int64, device=device))
+    batch = ScheduledBatch(seqs, [args.context] * n, [1] * n, [True] * n)
+    runner.plan(batch, previous)  # first sight of each table: written once
 
     def decode_step_inputs():
-        runner._sync_block_tables(seqs)
-        runner.prepare_decode(seqs)
+        runner._stage_decode(batch, runner.plan(batch, previous), n, previous)
 
     vocab = 151936
-    logits = torch.randn(args.num_seqs, vocab, device=device, dtype=torch.bfloat16)
-    greedy = [Sequence([1], SamplingParams(temperature=0.0)) for _ in range(args.num_seqs)]
-    mixed = [Sequence([1], SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i))
-             for i in range(args.num_seqs)]
-    top_p_only = [Sequence([1], SamplingParams(temperature=0.8, top_p=0.9, seed=i)) for i in range(args.num_seqs)]
+    logits = torch.randn(n, vocab, device=device, dtype=torch.bfloat16)
+
+    def sampler(params):
+        """Sample ``logits`` as the runner does for a batch of sequences with ``params``."""
+        sampling = [Sequence([1], p) for p in params]
+        sample_batch = ScheduledBatch(sampling, [0] * n, [1] * n, [True] * n)
+        plan = runner.plan(sample_batch, None)  # writes their parameters into rows' sampling columns
+        for seq in sampling:
+            runner.release(seq)  # the columns keep them until the rows are handed out again
+        rows = torch.tensor(plan.rows, device=device)
+        steps = torch.zeros(n, dtype=torch.int64, device=device)
+        sampled = torch.tensor(plan.sampled, dtype=torch.int64, device=device)
+        return lambda: runner._sample(logits, sample_batch, plan.sampled, rows, steps, sampled)
+
     with torch.inference_mode():
         result = {
-            "device": str(device), "num_seqs": args.num_seqs, "context": args.context, "block_size": args.block_size,
+            "device": str(device), "num_seqs": n, "context": args.context, "block_size": args.block_size,
             "prepare_decode_ms": round(timed(decode_step_inputs, device), 3),
-            "sample_greedy_ms": round(timed(lambda: runner.sample(logits, greedy), device), 3),
-            "sample_top_k_top_p_ms": round(timed(lambda: runner.sample(logits, mixed), device), 3),
-            "sample_top_p_only_ms": round(timed(lambda: runner.sample(logits, top_p_only), device), 3),
+            "sample_greedy_ms": round(timed(sampler([SamplingParams(temperature=0.0)] * n), device), 3),
+            "sample_top_k_top_p_ms": round(timed(sampler(
+                [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i) for i in range(n)]), device), 3),
+            "sample_top_p_only_ms": round(timed(sampler(
+                [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(n)]), device), 3),
         }
     print(json.dumps(result))
 
