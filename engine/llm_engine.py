@@ -43,7 +43,8 @@ BACKENDS = ("tp", *FORCED_CLASSES, "hf")
 class RequestOutput:
     """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
     None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
-    says why)."""
+    says why). ``logprobs`` (when the request asked for them): per output token, its logprob
+    and the [(token id, logprob)] of the most likely tokens."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +53,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     reject_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def _model_class(config: ModelConfig, backend: str) -> type | None:
@@ -166,17 +168,18 @@ class LLMEngine:
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         if progress is None:
             progress = sys.stderr.isatty() and self.tp.rank == 0
+        generation_config = _generation_config(model_dir)
+        self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
+        self.sampling_defaults = _sampling_defaults(generation_config)
         if model_class is None:
             enable_prefix_caching = False  # each sequence runs its whole prompt in transformers' own cache
             self.runner = HFModelRunner(model_dir, device, dtype, self.tp, block_size, max_num_seqs, max_model_len)
         else:
             cuda_graphs = device.type == "cuda" and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
-                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class)
+                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class,
+                                      self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        generation_config = _generation_config(model_dir)
-        self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
-        self.sampling_defaults = _sampling_defaults(generation_config)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    self.eos_token_ids, admission)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
@@ -223,8 +226,10 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         else:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        params = sampling_params or SamplingParams()
+        self._check_params(params)
         request_id = str(next(self._ids))
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id=request_id)
+        seq = Sequence(token_ids, params, request_id=request_id)
         # text is read on rank 0; another rank needs it only to match stop strings (same decisions)
         self.outputs.add(seq, detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop)))
         self._requests[request_id] = seq
@@ -232,6 +237,19 @@ class LLMEngine:
             log.warning("request %s rejected: %s", request_id, seq.reject_reason)
             self._finished_unreported.append(request_id)
         return request_id
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: ids within this model's vocabulary, and the
+        features the hf backend lacks."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be ids in [0, {vocab}), got "
+                             f"{list(params.stop_token_ids)}")
+        if isinstance(self.runner, HFModelRunner) and (params.penalized or params.min_tokens or
+                                                       params.logprobs is not None):
+            raise ValueError("the hf backend does not apply penalties or min_tokens and returns no logprobs")
 
     def abort_request(self, request_id: str) -> bool:
         """Finish an unfinished request with reason "abort"; its blocks are freed (at once, or
@@ -250,7 +268,8 @@ class LLMEngine:
         rejected = seq.status is SequenceStatus.REJECTED
         return RequestOutput(request_id, seq.prompt_token_ids, list(seq.output_token_ids),
                              self.outputs.text(request_id), seq.is_finished,
-                             "rejected" if rejected else seq.finish_reason, seq.reject_reason)
+                             "rejected" if rejected else seq.finish_reason, seq.reject_reason,
+                             self.outputs.logprobs(request_id))
 
     def request_progress(self, request_id: str) -> tuple[str, int, bool]:
         """(text, output token count, finished) so far without copying the token ids: what a
@@ -320,6 +339,13 @@ class LLMEngine:
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
         self._finished_unreported += [seq.request_id for seq in result.finished]
+        logprobs = launched.logprobs()
+        if logprobs:
+            appended = {id(seq) for seq in result.appended}
+            for entry, item in logprobs.items():
+                seq = launched.batch.seqs[entry]
+                if id(seq) in appended:
+                    self.outputs.add_logprobs(seq.request_id, item)
         for seq in self.outputs.process(result.appended):  # a stop string matched
             self.scheduler.finish(seq.request_id, "stop")
             self._finished_unreported.append(seq.request_id)

@@ -41,19 +41,13 @@ from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.layers.sampler import Sampler
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
+from engine.sampling_rows import SamplingPlan, SamplingRows, StepLogprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.staging import to_device
 
 # rows of the decode staging buffer and of ``decode_inputs`` (the graphs read the first three)
 IDS, POSITIONS, ROWS, STEPS, MOVE_TO, MOVE_FROM, SAMPLED = range(7)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host -> device copy: pinned and non-blocking on CUDA (the caching host allocator
-    keeps the pinned block alive until the copy has run)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
@@ -67,26 +61,42 @@ def unique_parameter_bytes(model: nn.Module) -> int:
 
 class LaunchedStep:
     """A batch whose forward and sampling are queued on the device. ``sampled``: int64 ``[B]``
-    on the device, one id per batch entry (meaningless for an entry that does not sample).
-    On CUDA the ids start towards pinned host memory at once (non-blocking, an event records the
-    copy); ``token_ids()`` waits for them."""
+    on the device, one id per batch entry (meaningless for an entry that does not sample), and
+    the logprobs of the entries that asked for them. On CUDA both start towards pinned host
+    memory at once (non-blocking, an event records the copies); ``token_ids()`` and
+    ``logprobs()`` wait for them."""
 
-    def __init__(self, batch: ScheduledBatch, sampled: torch.Tensor):
-        self.batch, self.sampled = batch, sampled
+    def __init__(self, batch: ScheduledBatch, sampled: torch.Tensor, logprobs: StepLogprobs | None = None):
+        self.batch, self.sampled, self._logprobs = batch, sampled, logprobs
         self._index_of: dict[str, int] | None = None
-        self._host, self._copied = None, None
+        self._host, self._copied = [sampled], None
+        if logprobs is not None:
+            self._host += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
         if sampled.is_cuda:
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in self._host]
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(sampled.device))
 
+    def _wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for the step and the copy)."""
-        if self._copied is None:
-            return self.sampled.tolist()
-        self._copied.synchronize()
-        return self._host.tolist()
+        self._wait()
+        return self._host[0].tolist()
+
+    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """Entry -> (the sampled token's logprob, [(token id, logprob)] of the most likely tokens,
+        most likely first), for the entries that asked."""
+        if self._logprobs is None:
+            return {}
+        self._wait()
+        chosen, values, ids = (t.tolist() for t in self._host[1:])
+        n = {i: self.batch.seqs[i].sampling_params.logprobs for i in self._logprobs.entries}
+        return {entry: (c, list(zip(i[:n[entry]], v[:n[entry]])))
+                for entry, c, v, i in zip(self._logprobs.entries, chosen, values, ids)}
 
     @property
     def index_of(self) -> dict[str, int]:
@@ -98,14 +108,18 @@ class LaunchedStep:
 
 @dataclass
 class StepPlan:
-    """The host side of a step, per batch entry: its block-table / sampling-column ``rows``, its
-    sampler ``steps`` (output index), the ``sampled`` entries (temperature > 0) and the
-    ``moves`` (entry, index into the previous step's ids) of pending input tokens."""
+    """The host side of a step, per batch entry: its block-table / sampling ``rows``, its sampler
+    ``steps`` (output index), the ``moves`` (entry, index into the previous step's ids) of
+    pending input tokens, and the ``sampling`` decided from the entries' parameters."""
 
     rows: list[int]
     steps: list[int]
-    sampled: list[int]
     moves: list[tuple[int, int]]
+    sampling: SamplingPlan
+
+    @property
+    def sampled(self) -> list[int]:
+        return self.sampling.sampled
 
 
 class ModelRunner:
@@ -124,7 +138,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
-                 cuda_graphs: bool = False, model_class: type[nn.Module] | None = None):
+                 cuda_graphs: bool = False, model_class: type[nn.Module] | None = None, eos_token_ids=frozenset()):
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
@@ -142,7 +156,6 @@ class ModelRunner:
                                      free_bytes, mem_utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, dtype, device)
-        self.sampler = Sampler(tp)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         # Rows of the block table and the sampling columns: a running sequence holds one until it is
@@ -150,8 +163,8 @@ class ModelRunner:
         # max_num_seqs are held; plus the padding row (all block 0) graph padding reads.
         self.pad_row = 2 * max_num_seqs
         self.block_tables = torch.zeros(self.pad_row + 1, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.row_floats = torch.zeros(2, self.pad_row + 1, device=device)  # temperature, top_p
-        self.row_ints = torch.zeros(2, self.pad_row + 1, dtype=torch.int64, device=device)  # top_k, seed
+        self.sampling = SamplingRows(self.pad_row + 1, config.vocab_size, max_num_seqs, device, Sampler(tp),
+                                     eos_token_ids)
         self._row_of: dict[str, int] = {}
         self._blocks_on_device: dict[str, int] = {}
         self._free_rows = list(range(self.pad_row - 1, -1, -1))
@@ -164,13 +177,6 @@ class ModelRunner:
         self._staging_copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staging_index = 0
         self.decode_tables = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._greedy = dict(
-            temperatures=torch.zeros(max_num_seqs, device=device), top_ks=torch.zeros(max_num_seqs, dtype=torch.int64,
-                                                                                      device=device),
-            top_ps=torch.ones(max_num_seqs, device=device), seeds=torch.zeros(max_num_seqs, dtype=torch.int64,
-                                                                               device=device),
-            steps=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
-        self._no_rows = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.graph_replays = 0
         if cuda_graphs:
@@ -196,14 +202,14 @@ class ModelRunner:
             plan = self.plan(batch, previous)
             run = self._decode_step if batch.is_decode else self._mixed_step
             logits, rows, steps, sampled = run(batch, plan, previous)
-            return LaunchedStep(batch, self._sample(logits, batch, plan.sampled, rows, steps, sampled))
+            return LaunchedStep(batch, *self.sampling.sample(logits, batch, plan.sampling, rows, steps, sampled))
 
     def plan(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> StepPlan:
         """The step's host-side inputs; gives new sequences their rows (``_sync_rows``)."""
         steps = [start + n - seq.num_prompt_tokens for seq, start, n in zip(batch.seqs, batch.starts,
                                                                              batch.num_tokens)]
-        sampled = [i for i, seq in enumerate(batch.seqs) if seq.sampling_params.temperature > 0]
-        return StepPlan(self._sync_rows(batch.seqs), steps, sampled, self._pending_moves(batch, previous))
+        return StepPlan(self._sync_rows(batch.seqs), steps, self._pending_moves(batch, previous),
+                        self.sampling.plan(batch, steps))
 
     def _forward(self, input_ids, positions, ctx: AttentionContext, last: torch.Tensor | None = None):
         """Logits of the model under ``ctx`` (of the tokens at ``last`` when given, else every row)."""
@@ -247,12 +253,7 @@ class ModelRunner:
             update = to_device(update, self.device)
             self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
         if new:
-            params = [seq.sampling_params for _, seq in new]
-            new_rows = to_device(torch.tensor([row for row, _ in new], dtype=torch.int64), self.device)
-            self.row_floats[:, new_rows] = to_device(torch.tensor(
-                [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32), self.device)
-            self.row_ints[:, new_rows] = to_device(torch.tensor(
-                [[p.top_k for p in params], [seq.seed for _, seq in new]], dtype=torch.int64), self.device)
+            self.sampling.write(new)
         return [self._row_of[s.request_id] for s in seqs]
 
     @staticmethod
@@ -398,7 +399,8 @@ class ModelRunner:
         over the full block-table width so any context up to max_model_len replays it."""
         pool = None
         with torch.inference_mode(), self._on_device():
-            self._stage_decode(ScheduledBatch(), StepPlan([], [], [], []), max(sizes), None)  # every column padding
+            self._stage_decode(ScheduledBatch(), StepPlan([], [], [], SamplingPlan([], [], [], [], 0)), max(sizes),
+                               None)  # every column padding
             for size in sorted(sizes, reverse=True):
                 def step(size=size):
                     return self._forward(*self._decode_inputs(size, self.max_blocks_per_seq))
@@ -414,22 +416,6 @@ class ModelRunner:
                 pool = graph.pool()
                 self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
-
-    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, sampled: list[int], rows: torch.Tensor,
-                steps: torch.Tensor, sampled_rows: torch.Tensor) -> torch.Tensor:
-        """Token ids [B] for the last-token ``logits`` [B, V]: each entry's parameters come from
-        its row's sampling columns (``rows``, device), its step from ``steps``. An all-greedy
-        batch is one argmax; otherwise only the ``sampled`` entries draw, with the candidate count
-        and top-p pass decided here from the host-side parameters."""
-        if not sampled:
-            columns = {name: t[:len(batch)] for name, t in self._greedy.items()}
-            return self.sampler(logits, **columns, sampled_rows=self._no_rows)
-        params = [batch.seqs[i].sampling_params for i in sampled]
-        floats, ints = self.row_floats.index_select(1, rows), self.row_ints.index_select(1, rows)
-        top_ks = [p.top_k for p in params]
-        return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], steps, sampled_rows=sampled_rows,
-                            max_top_k=max(top_ks) if min(top_ks) > 0 else None,
-                            use_top_k=max(top_ks) > 0, use_top_p=any(p.top_p < 1 for p in params))
 
 
 def _known_tokens(seq: Sequence, start: int, num: int) -> list[int]:

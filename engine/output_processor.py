@@ -14,19 +14,33 @@ from engine.sequence import Sequence
 
 class OutputProcessor:
     """``add(seq, detokenize)`` when a request arrives; ``process(seqs)`` after each step with
-    the sequences it appended a token to (``output_token_ids[-1]``); ``text(request_id)``;
-    ``remove(request_id)`` when the request is forgotten."""
+    the sequences it appended a token to (``output_token_ids[-1]``) and ``add_logprobs`` for
+    those that asked; ``text(request_id)``, ``logprobs(request_id)``; ``remove(request_id)``
+    when the request is forgotten."""
 
     def __init__(self, tokenizer):
         self._decode = batch_decoder(tokenizer)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list] = {}
 
     def add(self, seq: Sequence, detokenize: bool) -> None:
         if detokenize:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(decode=self._decode)
+        if seq.sampling_params.logprobs is not None:
+            self._logprobs[seq.request_id] = []
 
     def remove(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+
+    def add_logprobs(self, request_id: str, item: tuple[float, list[tuple[int, float]]]) -> None:
+        """The logprobs of the token just appended (its own, and the most likely tokens')."""
+        self._logprobs[request_id].append(item)
+
+    def logprobs(self, request_id: str) -> list | None:
+        """Per output token (its logprob, [(token id, logprob)]), or None when not asked for."""
+        items = self._logprobs.get(request_id)
+        return None if items is None else list(items)
 
     def text(self, request_id: str) -> str:
         detok = self._detokenizers.get(request_id)

@@ -6,12 +6,11 @@ own device, so nothing here can leak a host tensor into a device forward.
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 import uuid
 from dataclasses import dataclass
-
-MAX_SEED = 2**63 - 1
 
 
 class SequenceStatus(enum.Enum):
@@ -27,6 +26,13 @@ class SequenceStatus(enum.Enum):
     REJECTED = "rejected"
 
 
+MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request; invalid values raise ValueError naming the field.
@@ -34,6 +40,16 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 or -1 and top_p 1.0 turn those filters off;
     stop strings are matched by the engine's detokenizer, stop_token_ids and EOS
     (unless ignore_eos) by the scheduler; seed None means a random seed per request.
+    ``min_tokens``: EOS and stop_token_ids cannot be sampled before that many tokens.
+    Penalties (vLLM's semantics, applied to the logits on the device before temperature):
+    ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
+    token in the prompt or the output so far; ``frequency_penalty`` subtracts the token's count in
+    the output, ``presence_penalty`` subtracts once for a token present in the output.
+    ``logprobs``: return, for each output token, its log-probability under the model (the
+    log-softmax of the logits before temperature and penalties) and the ``logprobs`` most
+    likely tokens' (None: none returned).
+    Every value is bounded here, where the request enters: a value the step could not run
+    (an int past int64, an infinite float) never reaches it.
     """
 
     temperature: float = 1.0
@@ -44,6 +60,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,24 +72,49 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = (
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "must be an int >= -1 (0 or -1 = off)"),
-            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an int >= 1"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "must hold ints >= 0"),
+            ("temperature", _is_float(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_p", _is_float(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+             f"must be an int in [-1, {MAX_TOP_K}] (0 or -1 = off)"),
+            ("max_tokens", _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_SEED,
+             f"must be an int in [1, {MAX_SEED}]"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS and all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"must hold at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
+                _is_int(t) and 0 <= t <= MAX_TOP_K for t in self.stop_token_ids),
+             f"must hold at most {MAX_STOP_TOKEN_IDS} token ids (ints >= 0)"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
             ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
              f"must be None or an int in [0, {MAX_SEED}]"),
+            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             "must be an int in [0, max_tokens]"),
+            ("presence_penalty", _is_float(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "must be in [-2, 2]"),
+            ("frequency_penalty", _is_float(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "must be in [-2, 2]"),
+            ("repetition_penalty", _is_float(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+             "must be in (0, 10]"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be None or an int in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 
+    @property
+    def penalized(self) -> bool:
+        """Any penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_float(x) -> bool:
+    """A finite real number (an int counts; a bool does not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class Sequence:

@@ -83,7 +83,7 @@ def main() -> None:
         rows = torch.tensor(plan.rows, device=device)
         steps = torch.zeros(n, dtype=torch.int64, device=device)
         sampled = torch.tensor(plan.sampled, dtype=torch.int64, device=device)
-        return lambda: runner._sample(logits, sample_batch, plan.sampled, rows, steps, sampled)
+        return lambda: runner.sampling.sample(logits, sample_batch, plan.sampling, rows, steps, sampled)
 
     with torch.inference_mode():
         result = {

@@ -133,7 +133,7 @@ class StepTimer:
         """Run ``steps`` engine steps (decode steps of what is running) under the hooks."""
         handles = [self.runner.model.register_forward_pre_hook(self._model_pre),
                    self.runner.model.register_forward_hook(self._model_post),
-                   self.runner.sampler.register_forward_hook(self._sampler_post)]
+                   self.runner.sampling.sampler.register_forward_hook(self._sampler_post)]
         try:
             for _ in range(steps):
                 engine.step()

@@ -1,0 +1,84 @@
+"""Engine options in one place: the fields of ``LLMEngine``, their command-line flags and help.
+
+``EngineArgs.add_cli_args(parser)`` adds the "engine" option group every command that loads a
+model shares (``generate``, ``serve``, ``bench``), ``EngineArgs.from_cli_args(args)`` reads it
+back, ``build()`` makes the engine, and ``to_cli_args()`` turns the options that differ from the
+defaults back into flags (what ``bench serve --launch`` passes to the server it starts).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from engine.scheduler import ADMISSION_POLICIES
+
+
+def _option(default, flag: str, help: str, **argparse_kwargs):
+    """A field with its command-line flag; a bool whose flag turns it off (``--no-...``) stores False."""
+    return field(default=default, metadata={"flag": flag, "help": help, **argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = _option(None, "--model", "Hugging Face checkpoint directory (config.json, safetensors, "
+                                "tokenizer); default: the demo model shipped in engine/default_model", metavar="DIR")
+    backend: str = _option("tp", "--backend", "tp: route by config.json architectures[0] (default); hf: "
+                           "transformers under our scheduler", choices=["tp", "qwen_tp", "deepseek_tp", "hf"])
+    dtype: str | None = _option(None, "--dtype", "default: float32 on CPU, the checkpoint's half dtype (else "
+                                "bfloat16) on CUDA", choices=["float32", "float16", "bfloat16"])
+    device: str | None = _option(None, "--device", "default: cuda:LOCAL_RANK when CUDA is present, else cpu")
+    max_model_len: int | None = _option(None, "--max-model-len", "longest prompt + output in tokens (default: the "
+                                        "model's max_position_embeddings)", type=int)
+    max_num_seqs: int | None = _option(None, "--max-num-seqs", "most sequences running at once (default 256 on "
+                                       "CUDA, 16 on CPU)", type=int)
+    max_num_batched_tokens: int = _option(8192, "--max-num-batched-tokens", "most tokens in one step (decodes and "
+                                          "prompt chunks); longer prompts are prefilled in chunks (default 8192)",
+                                          type=int)
+    admission: str = _option(ADMISSION_POLICIES[0], "--admission", "watermark: start a request when its prompt fits "
+                             "the KV cache, preempting (and later recomputing) the newest requests when it runs out "
+                             "(default); reserve: start one only when its prompt + max_tokens fits beside every "
+                             "running request's, never preempting", choices=ADMISSION_POLICIES)
+    block_size: int = _option(16, "--block-size", "KV cache block size in tokens (default 16)", type=int)
+    mem_utilization: float = _option(0.9, "--mem-utilization", "fraction of the free device memory the KV cache may "
+                                     "take (default 0.9)", type=float)
+    enable_prefix_caching: bool = _option(True, "--no-prefix-caching", "turn prefix caching off")
+    enforce_eager: bool = _option(False, "--enforce-eager", "decode without CUDA graphs (graphs are the default on "
+                                  "CUDA)")
+    custom_all_reduce: bool = _option(True, "--disable-custom-all-reduce", "tensor parallel on CUDA: all-reduce with "
+                                      "NCCL only (default: symmetric memory for small messages)")
+    overlap: bool = _option(True, "--no-overlap", "run each step to the end before scheduling the next (default: the "
+                            "host schedules and postprocesses while the device runs the previous step)")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            meta = dict(f.metadata)
+            flag, help = meta.pop("flag"), meta.pop("help")
+            if isinstance(f.default, bool):
+                meta["action"] = "store_false" if f.default else "store_true"
+            group.add_argument(flag, dest=f.name, default=f.default, help=help, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that give these options (those left at their default are omitted)."""
+        flags = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flags += [f.metadata["flag"]] if isinstance(f.default, bool) else [f.metadata["flag"], str(value)]
+        return flags
+
+    def build(self):
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine(self.model, inference_backend=self.backend, block_size=self.block_size,
+                         mem_utilization=self.mem_utilization, max_num_seqs=self.max_num_seqs,
+                         max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                         dtype=self.dtype, device=self.device, enable_prefix_caching=self.enable_prefix_caching,
+                         enforce_eager=self.enforce_eager, custom_all_reduce=self.custom_all_reduce,
+                         admission=self.admission, overlap=self.overlap)
