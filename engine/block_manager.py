@@ -36,6 +36,8 @@ class BlockManager:
 
     ``ref_counts[i]`` is the number of sequences holding block ``i``. Callers ask
     ``can_allocate`` / ``can_append`` first; preempting a sequence is ``free``.
+    ``num_prefix_queries`` / ``num_prefix_hits`` count the prompt tokens allocations looked up in
+    the prefix cache and those they found.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -55,6 +57,7 @@ class BlockManager:
         self._num_coming: dict[str, int] = {}  # request id -> its prompt blocks counted in _coming
         self._last_hashes: tuple[Sequence | None, int, list[bytes]] = (None, 0, [])
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_prefix_queries = self.num_prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +105,8 @@ class BlockManager:
         seq.block_table = hits + [self._take_free_block() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.num_cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_cached_tokens
             self._chains[seq.request_id] = list(hashes)
             self._num_published[seq.request_id] = len(hits)
             self._num_coming[seq.request_id] = len(hashes)

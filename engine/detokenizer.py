@@ -29,14 +29,40 @@ class IncrementalDetokenizer:
     """``add(token_id) -> new text`` (possibly ""); ``text`` is everything emitted so far,
     equal to ``tokenizer.decode(token_ids)`` once ``flush()`` has run. ``windows`` / ``emit``
     split ``add`` so a caller can decode many sequences' windows in one batched call
-    (``detokenize``)."""
+    (``detokenize``). The text is kept as its emitted pieces (never copied per token):
+    ``length``, ``text_from(offset)`` and ``tail(n)`` read it, ``truncate(length)`` cuts it."""
 
     def __init__(self, tokenizer=None, skip_special_tokens: bool = True, decode: BatchDecode | None = None):
         self.decode = decode or batch_decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
-        self.text = ""
+        self.length = 0
+        self._pieces: list[str] = []
         self._prefix_offset = 0  # window start: tokens before it are fully emitted
         self._read_offset = 0    # tokens before it are emitted
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def text_from(self, offset: int) -> str:
+        """The text from character ``offset`` on (reads only the pieces after it)."""
+        if offset >= self.length:
+            return ""
+        start, covered = len(self._pieces), self.length
+        while covered > offset:
+            start -= 1
+            covered -= len(self._pieces[start])
+        return "".join(self._pieces[start:])[offset - covered:]
+
+    def tail(self, n: int) -> str:
+        """The last ``n`` characters of the text."""
+        return self.text_from(max(0, self.length - n))
+
+    def truncate(self, length: int) -> None:
+        """Cut the text to its first ``length`` characters."""
+        kept = self.text_from(0)[:length] if length < self.length else None
+        if kept is not None:
+            self._pieces, self.length = [kept], len(kept)
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
@@ -56,7 +82,8 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        self.text += delta
+        self._pieces.append(delta)
+        self.length += len(delta)
         return delta
 
 

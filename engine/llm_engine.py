@@ -113,6 +113,21 @@ def _load_tokenizer(model_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
+@dataclass
+class RequestUpdate:
+    """A request's progress since a reader last looked (``LLMEngine.request_update``): the text
+    from the reader's character offset on and the text's length now, the output token count,
+    the logprobs of the output tokens from the reader's index on, and the finish state."""
+
+    text: str
+    text_length: int
+    num_tokens: int
+    logprobs: list
+    finished: bool
+    finish_reason: str | None = None
+    reject_reason: str | None = None
+
+
 class LLMEngine:
     """Loads ``model_dir`` (default: the demo model shipped in ``engine/default_model``) and
     serves requests through continuous batching.
@@ -192,6 +207,7 @@ class LLMEngine:
         self._generation: list[str] = []
         self.num_steps = 0
         self.host_seconds = 0.0  # time step() spent on the host, waits for the device excluded
+        self.num_prompt_tokens = self.num_generation_tokens = 0  # of the requests admitted; tokens read back
         if self.tp.rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
 
@@ -236,6 +252,8 @@ class LLMEngine:
         if not self.scheduler.add(seq):
             log.warning("request %s rejected: %s", request_id, seq.reject_reason)
             self._finished_unreported.append(request_id)
+        else:
+            self.num_prompt_tokens += seq.num_prompt_tokens
         return request_id
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -277,6 +295,15 @@ class LLMEngine:
         seq = self._requests[request_id]
         return self.outputs.text(request_id), len(seq.output_token_ids), seq.is_finished
 
+    def request_update(self, request_id: str, text_from: int = 0, logprobs_from: int = 0) -> RequestUpdate:
+        """What a streaming loop reads after each step, copying nothing it already has."""
+        seq = self._requests[request_id]
+        text, length = self.outputs.text_from(request_id, text_from)
+        reason = "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason
+        logprobs = self.outputs.logprobs_from(request_id, logprobs_from)
+        return RequestUpdate(text, length, len(seq.output_token_ids), logprobs, seq.is_finished, reason,
+                             seq.reject_reason)
+
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
         output = self.request_output(request_id)
@@ -290,7 +317,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished since the last call (rejected
-        and aborted ones included).
+        and aborted ones included; not those popped meanwhile).
 
         Schedules the next batch and launches it. With overlap, the batch the previous call
         launched is then read back and postprocessed while the new one runs (its tokens feed the
@@ -325,7 +352,7 @@ class LLMEngine:
                 self._finished_unreported.append(seq.request_id)
             self._release_freed()
         done, self._finished_unreported = self._finished_unreported, []
-        return [self.request_output(rid) for rid in done]
+        return [self.request_output(rid) for rid in done if rid in self._requests]  # popped: forgotten
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
@@ -338,6 +365,7 @@ class LLMEngine:
         token_ids = launched.token_ids()
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
+        self.num_generation_tokens += len(result.appended)
         self._finished_unreported += [seq.request_id for seq in result.finished]
         logprobs = launched.logprobs()
         if logprobs:

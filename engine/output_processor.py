@@ -42,9 +42,18 @@ class OutputProcessor:
         items = self._logprobs.get(request_id)
         return None if items is None else list(items)
 
+    def logprobs_from(self, request_id: str, index: int) -> list:
+        """The logprobs of output tokens ``index`` on ([] when not asked for)."""
+        return self._logprobs.get(request_id, [])[index:]
+
     def text(self, request_id: str) -> str:
         detok = self._detokenizers.get(request_id)
         return detok.text if detok is not None else ""
+
+    def text_from(self, request_id: str, offset: int) -> tuple[str, int]:
+        """(the text from character ``offset`` on, the text's length) without copying the rest."""
+        detok = self._detokenizers.get(request_id)
+        return (detok.text_from(offset), detok.length) if detok is not None else ("", 0)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
@@ -64,10 +73,10 @@ class OutputProcessor:
             stops = seq.sampling_params.stop
             if not stops or not delta:
                 continue
-            window_start = max(0, len(detok.text) - len(delta) - max(map(len, stops)) + 1)
-            hits = [i for i in (detok.text.find(s, window_start) for s in stops) if i >= 0]
+            window = detok.tail(len(delta) + max(map(len, stops)) - 1)  # a stop string ending in the delta
+            hits = [i for i in (window.find(s) for s in stops) if i >= 0]
             if hits:
-                detok.text = detok.text[:min(hits)]
+                detok.truncate(detok.length - len(window) + min(hits))
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:

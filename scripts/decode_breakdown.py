@@ -21,14 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.__main__ import add_engine_arguments  # noqa: E402
 from engine.bench.models import PRESETS, open_engine  # noqa: E402
 from engine.bench.offline import greedy, random_prompt  # noqa: E402
+from engine.engine_args import EngineArgs  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.__main__ import add_engine_arguments  # noqa: E402
 from engine.bench.models import PRESETS, hf_model, open_engine  # noqa: E402
+from engine.engine_args import EngineArgs  # noqa: E402
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -91,7 +91,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate")
-    add_engine_arguments(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--preset", choices=sorted(PRESETS), required=True)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-prompts", type=int, default=4)

@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 from engine.bench.models import PRESETS
+from engine.engine_args import EngineArgs
 
 SERVE_DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_bench_command(commands) -> None:
-    """Add ``bench`` (with its three modes) to the ``python -m engine`` subcommands."""
-    from engine.__main__ import add_engine_arguments
-
+    """Add ``bench`` (with its modes) to the ``python -m engine`` subcommands."""
     bench = commands.add_parser("bench", help="benchmark latency, throughput or a running server (JSON report)",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = bench.add_subparsers(dest="mode", required=True)
@@ -55,7 +54,7 @@ def add_bench_command(commands) -> None:
     overlap.add_argument("--output", metavar="FILE", help="also write the JSON report here")
     overlap.set_defaults(run=run_overlap)
     for mode in (latency, throughput, serve):
-        add_engine_arguments(mode)
+        EngineArgs.add_cli_args(mode)
         source = mode.add_argument_group("model source")
         source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config, used with --random-weights")
         source.add_argument("--random-weights", action="store_true",
@@ -267,10 +266,6 @@ def run_serve(args: argparse.Namespace) -> dict:
         server.wait(60)
 
 
-ENGINE_OPTIONS = ("backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "block_size", "mem_utilization", "admission")
-
-
 def server_command(args: argparse.Namespace) -> list[str]:
     """The command line of the server ``--launch`` starts: ``python -m engine serve`` for a
     checkpoint, ``python -m engine.bench.preset_server`` for a preset; same engine options."""
@@ -278,13 +273,8 @@ def server_command(args: argparse.Namespace) -> list[str]:
         command = [sys.executable, "-m", "engine.bench.preset_server", "--preset", args.preset, "--seed",
                    str(args.seed)]
     else:
-        command = [sys.executable, "-m", "engine", "serve"] + (["--model", args.model] if args.model else [])
-    for name in ENGINE_OPTIONS:
-        if getattr(args, name) is not None:
-            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return (command + ["--no-prefix-caching"] * args.no_prefix_caching + ["--enforce-eager"] * args.enforce_eager
-            + ["--disable-custom-all-reduce"] * args.disable_custom_all_reduce + ["--no-overlap"] * args.no_overlap
-            + ["--port", "0"])
+        command = [sys.executable, "-m", "engine", "serve"]
+    return command + EngineArgs.from_cli_args(args).to_cli_args() + ["--port", "0"]
 
 
 def machine() -> dict:

@@ -172,13 +172,13 @@ def random_weights_args(args: argparse.Namespace):
 def open_engine(args: argparse.Namespace):
     """The LLMEngine the options name: ``--model DIR`` (default: the demo model), or ``--preset
     NAME --random-weights``. Yields (engine, weights) where ``weights`` says where they came from."""
-    from engine.__main__ import build_engine
+    from engine.engine_args import EngineArgs
 
     if args.preset is None:
-        yield build_engine(args), "checkpoint"
+        yield EngineArgs.from_cli_args(args).build(), "checkpoint"
         return
     with random_weights_args(args) as preset_args:
-        yield build_engine(preset_args), f"random (seed {args.seed})"
+        yield EngineArgs.from_cli_args(preset_args).build(), f"random (seed {args.seed})"
 
 
 def hf_model(engine, args: argparse.Namespace):

@@ -18,24 +18,23 @@ import time
 import torch
 
 from engine.bench.offline import random_prompt
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import SamplingParams
 
 
-class SimulatedStep:
+class SimulatedStep(LaunchedStep):
     """A launched step on the simulated device: ``token_ids()`` waits until the device is done."""
 
     def __init__(self, batch: ScheduledBatch, token_ids: list[int], done_at: float):
-        self.batch, self._token_ids, self.done_at = batch, token_ids, done_at
-        self.sampled = torch.tensor(token_ids, dtype=torch.int64)
-        self.index_of = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
+        super().__init__(batch, torch.tensor(token_ids, dtype=torch.int64))
+        self.done_at = done_at
 
     def token_ids(self) -> list[int]:
         delay = self.done_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        return self._token_ids
+        return super().token_ids()
 
 
 class SimulatedDevice:

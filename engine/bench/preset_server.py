@@ -10,7 +10,7 @@ from engine.bench.models import PRESETS, random_weights_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.server import add_serve_command, serve
+    from engine.server.app import add_serve_command, serve
 
     parser = argparse.ArgumentParser(prog="python -m engine.bench.preset_server")
     commands = parser.add_subparsers(dest="command", required=True)

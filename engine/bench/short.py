@@ -67,10 +67,10 @@ SECTIONS = ("qwen3", "qwen3_eager", "deepseek")
 
 def engine_args(preset: str, seed: int, *options: str) -> argparse.Namespace:
     """The options ``python -m engine bench --preset PRESET --random-weights OPTIONS`` would give."""
-    from engine.__main__ import add_engine_arguments
+    from engine.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
     return argparse.Namespace(**vars(parser.parse_args(list(options))), preset=preset, random_weights=True,
                               seed=seed)
 

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from engine.__main__ import add_engine_arguments, build_engine
+from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix, shrink_kv_pool
@@ -103,10 +103,10 @@ def test_reserve_admission_from_the_command_line(cases):
     their worst case instead, nothing is preempted, and the tokens are HF's."""
     path, prompts, expected = cases["Qwen3ForCausalLM"]
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", str(path), "--device", "cpu", "--admission", "reserve", "--block-size", "4",
                               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"])
-    engine = build_engine(args)
+    engine = EngineArgs.from_cli_args(args).build()
     assert engine.scheduler.admission == "reserve"
     shrink_kv_pool(engine, SMALL_POOL)
     assert run(engine, prompts) == expected

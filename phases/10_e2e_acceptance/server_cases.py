@@ -18,7 +18,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.server import EngineLoop, OpenAIServer
+from engine.server.app import OpenAIServer
+from engine.server.engine_loop import EngineLoop
+from engine.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 
 engine_cases = importlib.import_module("phases.09_engine_integration.engine_cases")
@@ -52,7 +54,7 @@ class Running:
 
 
 @contextlib.contextmanager
-def running_server(engine, model_name: str = "tiny"):
+def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | None = None):
     """Serve ``engine`` on a free loopback port from a background event loop; stopped on exit
     (which, under torchrun, sends the worker ranks their stop command)."""
     event_loop = asyncio.new_event_loop()
@@ -63,7 +65,7 @@ def running_server(engine, model_name: str = "tiny"):
         return asyncio.run_coroutine_threadsafe(coroutine, event_loop).result(timeout)
 
     async def make():
-        return OpenAIServer(EngineLoop(engine), model_name)
+        return OpenAIServer(EngineLoop(engine, metrics), model_name)
 
     server = run(make())
     try:
@@ -87,6 +89,20 @@ def wait_idle(engine_loop: EngineLoop, timeout: float = 30.0) -> None:
     engine_loop.call(engine_cases.assert_no_block_leaks)
     held = engine_loop.call(lambda e: sorted(e._requests))
     assert not held, f"the server left requests {held} in the engine"
+
+
+def metrics(url: str) -> dict[str, float]:
+    """``GET /metrics`` parsed: every sample's name (with its labels, if any) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, raw = http(url + "/metrics")
+    assert status == 200, raw
+    values = {}
+    for family in text_string_to_metric_families(raw.decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
 
 
 def http(url: str, body: bytes | dict | None = None, method: str | None = None) -> tuple[int, bytes]:

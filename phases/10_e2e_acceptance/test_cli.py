@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.__main__ import add_engine_arguments
-from engine.server import add_serve_command
+from engine.engine_args import EngineArgs
+from engine.server.app import add_serve_command
 from server_cases import (
     PROMPTS,
     REPO,
@@ -77,7 +77,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 def test_cli_help_lists_every_option():
     """``generate --help`` and ``serve --help`` list every option they accept."""
     engine_options = argparse.ArgumentParser()
-    add_engine_arguments(engine_options)
+    EngineArgs.add_cli_args(engine_options)
     commands = argparse.ArgumentParser().add_subparsers()
     add_serve_command(commands)
     sampling = ["--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop"]

@@ -216,16 +216,31 @@ BAD_REQUESTS = [  # (path, body, status, param, code)
     ("/v1/completions", {"model": "tiny", "prompt": "the", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {"model": "tiny", "prompt": "the", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 0}, 400, "max_tokens", None),
-    ("/v1/completions", {"model": "tiny", "prompt": "the", "n": 2}, 400, "n", None),
-    ("/v1/completions", {"model": "tiny", "prompt": "the", "logprobs": 1}, 400, "logprobs", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "n": 10**6}, 400, "n", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "n": 2, "best_of": 3}, 400, "best_of", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "logprobs": 10**6}, 400, "logprobs", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "top_k": 10**20}, 400, "top_k", None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "the", "temperature": Infinity}', 400, None, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "the", "temperature": NaN}', 400, None, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "stop": ["x"] * 1000}, 400, "stop", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "stop": ["x" * 10000]}, 400, "stop", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": -1}, 400, "max_tokens", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "stop_token_ids": [10**9]}, 400, "stop_token_ids", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "presence_penalty": 3}, 400, "presence_penalty", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens",
+     None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "echo": True}, 400, "echo", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "the", "seed": -1}, 400, "seed", None),
     ("/v1/completions", {"model": "tiny", "prompt": [3] * MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": MAX_MODEL_LEN - 1}, 400, "max_tokens",
      "context_length_exceeded"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "the"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages", None),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages", None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "logprobs": True},
-     400, "logprobs", None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+     400, "top_logprobs", None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs", None),
     ("/v1/nowhere", {"model": "tiny"}, 404, None, "not_found"),
 ]
 
@@ -295,12 +310,12 @@ def test_a_failed_step_is_fatal_under_tensor_parallelism():
     stopping every rank is safe (a peer may be spinning in a captured all-reduce)."""
     from types import SimpleNamespace
 
-    from engine.server import _step
+    from engine.server.engine_loop import _step
 
     def failing_step():
         raise RuntimeError("boom")
 
-    finished, error = _step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
-    assert finished == [] and "RuntimeError: boom" in error
+    error = _step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
+    assert "RuntimeError: boom" in error
     with pytest.raises(RuntimeError, match="boom"):
         _step(SimpleNamespace(tp=SimpleNamespace(size=2), step=failing_step))

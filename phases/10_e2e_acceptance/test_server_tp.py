@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from engine.llm_engine import LLMEngine
-from engine.server import add_serve_command, mirror_rank0, serve
+from engine.server.app import add_serve_command, serve
+from engine.server.engine_loop import mirror_rank0
 from server_cases import PROMPTS, engine_cases, make_word_checkpoint, running_server, wait_idle
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU image

@@ -1,0 +1,294 @@
+"""The HTTP server and the ``serve`` command: ``python -m engine serve``.
+
+Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``,
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with
+``stream``). Errors are OpenAI error objects: 400 for a malformed or invalid request, 404 for an
+unknown route or model, 500 when the engine failed on the request, 503 while shutting down.
+Without max_tokens a completion gets 16 tokens and a chat completion the whole room left, each
+capped by max_model_len. SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503,
+in-flight ones finish for up to ``--shutdown-timeout`` seconds, then the rest end with an error.
+A second signal stops at once. Under torchrun rank 0 serves; every rank steps.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.engine_args import EngineArgs
+from engine.server.engine_loop import EngineLoop, Stream, Update, mirror_rank0
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import MAX_BODY_BYTES, APIError, GenerationRequest, OpenAIProtocol, parse_json, usage
+
+log = logging.getLogger("engine.server")
+
+
+@web.middleware
+async def _error_objects(request: web.Request, handler):
+    """Every failure becomes an OpenAI error object; the server keeps serving."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:  # the router's 404 / 405, an over-large body's 413
+        if e.status < 400:
+            raise
+        error = APIError(e.status, f"{e.reason}: {request.method} {request.path}",
+                         code=e.reason.lower().replace(" ", "_"))
+        return web.json_response(error.body(), status=e.status)
+    except Exception as e:
+        log.exception("request %s %s failed", request.method, request.path)
+        return web.json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
+
+
+class OpenAIServer:
+    """The HTTP front of an EngineLoop. ``await start(host, port)`` returns the bound port (0 picks
+    a free one); ``await shutdown(timeout)`` drains; ``await stop()`` shuts HTTP and the engine
+    loop down; ``done`` is set once the engine loop has ended."""
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str):
+        engine = engine_loop.engine
+        self.engine_loop, self.model_name = engine_loop, model_name
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
+        self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size)
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+        self.done = asyncio.Event()
+        self.app = web.Application(middlewares=[_error_objects], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
+                             web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions)])
+        self.app.on_shutdown.append(self._stop_engine_loop)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        event_loop = asyncio.get_running_loop()
+        self.engine_loop.on_exit = lambda: event_loop.call_soon_threadsafe(self.done.set)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        self.engine_loop.start()
+        return self._runner.addresses[0][1]
+
+    async def shutdown(self, timeout: float) -> None:
+        """Graceful drain: refuse new requests, let those in flight finish for up to ``timeout``
+        seconds, then end the rest (an error answer each) and stop."""
+        self.engine_loop.drain()
+        log.info("draining: %d requests in flight, up to %.0f s", self.engine_loop.num_streams, timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.engine_loop.num_streams and self.engine_loop.alive and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine_loop.num_streams:
+            log.warning("aborting %d requests still in flight after %.0f s", self.engine_loop.num_streams, timeout)
+        await asyncio.to_thread(self.engine_loop.stop)
+        await asyncio.sleep(0.2)  # handlers write the error of what was aborted
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _stop_engine_loop(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.engine_loop.stop)
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        problem = self.engine_loop.health()
+        if problem is not None:
+            raise APIError(503, problem)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.engine_loop.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "agent-infer",
+             "max_model_len": self.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self.protocol.completion(parse_json(await request.read())))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self.protocol.chat(parse_json(await request.read())))
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
+        bell = asyncio.Event()
+        streams = [Stream(c.prompt_token_ids, c.params, c.index, bell) for c in gen.choices]
+        try:
+            for s in streams:
+                self.engine_loop.submit(s)
+        except RuntimeError as e:  # draining or stopped
+            raise APIError(503, str(e)) from None
+        try:
+            if gen.stream:
+                return await self._stream(request, gen, streams, bell)
+            return await self._answer(gen, streams, bell)
+        finally:  # a client gone (the handler cancelled) or an error: end what is still running
+            for s in streams:
+                self.engine_loop.abort(s)
+
+    async def _answer(self, gen: GenerationRequest, streams: list[Stream], bell: asyncio.Event) -> web.Response:
+        texts, logprobs, finals = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
+        while not all(finals):
+            await bell.wait()
+            bell.clear()
+            for i, s in enumerate(streams):
+                update = s.take()
+                texts[i].append(update.text)
+                logprobs[i] += update.logprobs
+                if update.finished:
+                    finals[i] = update
+                    _raise_if_failed(update)
+        choices = []
+        for s, parts, items, final in zip(streams, texts, logprobs, finals):
+            text = "".join(parts)[:final.final_length]
+            lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
+            choices.append(self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp))
+        return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
+                                  "usage": usage(gen.num_prompt_tokens, sum(f.num_tokens for f in finals))})
+
+    async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
+                      bell: asyncio.Event) -> web.StreamResponse:
+        """Server-Sent Events: a chunk per step that produced tokens for a choice (clients see the
+        time of every token, as TTFT / ITL measure it), the finish reasons, a usage chunk if
+        asked, then ``data: [DONE]``. Text that could still become a stop string is held back
+        until it cannot, so the streamed text equals the non-streaming text."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = self.protocol.head(gen.chat, stream=True)
+
+        async def send(data: dict | str) -> None:
+            await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+
+        held = [""] * len(streams)        # received, not sent (a possible stop string's beginning)
+        sent = [0] * len(streams)         # characters sent
+        tokens = [0] * len(streams)
+        finals: list[Update | None] = [None] * len(streams)
+        try:
+            if gen.chat:
+                for s in streams:
+                    await send({**head, "choices": [self.protocol.delta(True, s.index, "", None, None, opening=True)]})
+            while not all(finals):
+                await bell.wait()
+                bell.clear()
+                for i, s in enumerate(streams):
+                    if finals[i] is not None:
+                        continue
+                    update = s.take()
+                    if not (update.text or update.logprobs or update.finished or update.num_tokens > tokens[i]):
+                        continue
+                    held[i] += update.text
+                    if update.finished:
+                        finals[i] = update
+                        try:
+                            _raise_if_failed(update)
+                        except APIError as e:
+                            await send(e.body())
+                            raise _StreamEnded from None
+                        visible, held[i] = held[i][:update.final_length - sent[i]], ""
+                    else:
+                        keep = max(map(len, s.params.stop), default=1) - 1
+                        visible = held[i][:len(held[i]) - keep] if keep else held[i]
+                        held[i] = held[i][len(visible):]
+                    lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
+                          if gen.logprobs and update.logprobs else None)
+                    await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, visible,
+                                                                         update.finish_reason, lp)]})
+                    sent[i] += len(visible)
+                    tokens[i] = update.num_tokens
+            if gen.include_usage:
+                await send({**head, "choices": [], "usage": usage(gen.num_prompt_tokens, sum(tokens))})
+            await send("[DONE]")
+            await response.write_eof()
+        except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it
+            pass
+        return response
+
+
+class _StreamEnded(Exception):
+    """An error chunk was sent: the stream ends without [DONE]."""
+
+
+def _raise_if_failed(update: Update) -> None:
+    if update.finish_reason == "rejected":
+        raise APIError(400, f"the engine rejected the request: {update.message}", code="rejected")
+    if update.finish_reason == "error":
+        raise APIError(500, update.message or "the engine failed on this request")
+    if update.finish_reason == "abort":
+        raise APIError(503, update.message or "the request was aborted")
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+def add_serve_command(commands) -> None:
+    """Add ``serve`` to the ``python -m engine`` subcommands."""
+    parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                 description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                             "/metrics. Under torchrun rank 0 serves; SIGTERM or SIGINT drains "
+                                             "(a second one stops at once) and stops every rank.")
+    EngineArgs.add_cli_args(parser)
+    http = parser.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model name requests give (default: the model directory's name)")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="on SIGTERM, seconds the requests in flight may take to finish (default 30)")
+    http.add_argument("--stats-interval", type=float, default=10.0,
+                      help="seconds between the stats lines logged while busy (default 10)")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                      help="log level (default info: a line per finished request and the stats lines)")
+    parser.set_defaults(run=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = EngineArgs.from_cli_args(args).build()
+    if engine.tp.rank != 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 gets them too and sends the stop
+            signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", engine.tp.rank))
+        mirror_rank0(engine)
+        return 0
+    engine_loop = EngineLoop(engine, ServerMetrics(args.stats_interval))
+    try:
+        asyncio.run(_serve(OpenAIServer(engine_loop, args.served_model_name or Path(engine.model_dir).name),
+                           args.host, args.port, args.shutdown_timeout))
+    finally:
+        engine_loop.stop()
+    return 1 if engine_loop.failure is not None else 0
+
+
+async def _serve(server: OpenAIServer, host: str, port: int, shutdown_timeout: float) -> None:
+    """Serve until the engine loop ends or a signal's drain completes; a second signal stops at once."""
+    event_loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    def on_signal():
+        if draining:
+            server.done.set()
+            return
+        draining.append(event_loop.create_task(server.shutdown(shutdown_timeout)))
+        draining[0].add_done_callback(lambda _: server.done.set())
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        event_loop.add_signal_handler(sig, on_signal)
+    try:
+        port = await server.start(host, port)
+        print(f"agent-infer: serving {server.model_name!r} on http://{host}:{port} (pid {os.getpid()})",
+              file=sys.stderr, flush=True)
+        await server.done.wait()
+    finally:
+        await server.stop()
