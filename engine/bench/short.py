@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import random
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -215,8 +216,7 @@ def baseline_from(report: dict, tolerance: float = TOLERANCE) -> dict:
     """What ``baseline.json`` holds: the normalised figures the gate compares, the raw figures
     they came from, the tolerance the gate allows, and the machine and command."""
     return {"tolerance": tolerance, "scale": report["scale"]["name"], "machine": report["machine"],
-            "command": "python -m engine.bench.short " + " ".join(sys.argv[1:]), "figures": report["figures"],
-            "raw_figures": report["raw_figures"]}
+            "command": report.get("command"), "figures": report["figures"], "raw_figures": report["raw_figures"]}
 
 
 def write_json(path: str, data: dict) -> None:
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown section(s) {', '.join(sorted(set(sections) - set(SECTIONS)))}")
     if args.write_baseline and (args.tiny or set(sections) != set(SECTIONS)):
         parser.error("a baseline is every section at full scale: drop --tiny and --sections")
-    report = run_short(TINY if args.tiny else FULL, args.seed, sections)
+    report = {"command": "python -m engine.bench.short " + shlex.join(argv if argv is not None else sys.argv[1:]),
+              **run_short(TINY if args.tiny else FULL, args.seed, sections)}
     for name, figure in [*report["raw_figures"].items(), *report["figures"].items()]:
         print(f"{name:<36} {figure['value']:>12.4g} {figure['unit']}", file=sys.stderr)
     if args.write_baseline:
