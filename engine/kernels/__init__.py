@@ -4,7 +4,7 @@ Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
 ``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
 needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
-error. Each backend module is the dispatch table: it defines the same nine functions.
+error. Each backend module is the dispatch table: it defines the same ten functions.
 The wrappers below check shapes only (never tensor values), so they add no host sync.
 """
 from __future__ import annotations
@@ -21,9 +21,11 @@ from engine.kernels.rope import get_cos_sin_cache
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
            "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
-           "qk_norm_rope_store"]
+           "qk_norm_rope_store", "decode_gemv", "decode_gemv_applies"]
 
 ENV_VAR = "AGENT_INFER_KERNELS"
+DECODE_GEMV_ENV = "AGENT_INFER_DECODE_GEMV"  # "1": linear layers take decode_gemv for a decode step's rows
+DECODE_GEMV_MAX_ROWS = 8
 _MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
             "vllm": "engine.kernels.vllm_backend"}
 
@@ -207,3 +209,30 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
              lambda: "qk_norm_rope_store: q_weight and k_weight are both [D] or both None")
     _ops(q).qk_norm_rope_store(positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache,
                                slot_mapping)
+
+
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    """``act(x) @ weight.T + bias``, a new ``[M, N]`` tensor in ``promote(x.dtype, weight.dtype)``
+    (float32 accumulation): ``x [M, K]`` (any row stride), ``weight [N, K]``, ``bias [N]`` or None;
+    ``activation`` None, or ``"silu_mul"``: x is ``[M, 2K]`` gate | up and ``act(x) = silu(gate) *
+    up`` rounded to x's dtype (``silu_and_mul``), read in the GEMV's prologue. For the few rows of a
+    decode step: one launch on CUDA (split-K, configured once per shape; cuBLAS where it measured
+    faster), no activation tensor, no cast of a bf16 x for a float32 weight."""
+    k_dim = x.shape[-1] // 2 if activation == "silu_mul" else x.shape[-1]
+    _require(activation in (None, "silu_mul"),
+             lambda: f"decode_gemv: activation must be None or 'silu_mul', got {activation!r}")
+    _require(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == k_dim
+             and (activation is None or x.shape[-1] % 2 == 0)
+             and (bias is None or bias.shape == weight.shape[:1]),
+             lambda: f"decode_gemv: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+             f"bias {None if bias is None else tuple(bias.shape)} (activation {activation})")
+    return _ops(x).decode_gemv(x, weight, bias, activation)
+
+
+def decode_gemv_applies(x: torch.Tensor) -> bool:
+    """Whether a linear layer hands ``x`` (its input) to ``decode_gemv``: switched on with
+    ``AGENT_INFER_DECODE_GEMV=1`` (off by default until the H200 measures it faster than cuBLAS),
+    a CUDA tensor of at most ``DECODE_GEMV_MAX_ROWS`` rows (shapes only: CUDA-graph safe)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= DECODE_GEMV_MAX_ROWS
+            and os.environ.get(DECODE_GEMV_ENV) == "1")

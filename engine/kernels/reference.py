@@ -90,6 +90,16 @@ def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     return out.masked_fill_((expert_ids < 0)[..., None], 0.0).to(x.dtype)
 
 
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    if activation == "silu_mul":
+        act = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        silu_and_mul(act, x)
+        x = act
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

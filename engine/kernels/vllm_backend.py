@@ -1,7 +1,7 @@
 """vllm / flash-attn backend: the seed's wrappers over ``vllm._custom_ops`` and ``flash_attn``.
 
-Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv`` and
-``qk_norm_rope_store`` have no vllm counterpart here and are Triton's. Cases those libraries do not
+Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv``,
+``qk_norm_rope_store`` and ``decode_gemv`` have no vllm counterpart here and are Triton's. Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
 ``v_cache`` None), value head dims that differ from the query's, paged
 blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum), and an
@@ -87,3 +87,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 expert_gemv = triton_ops.expert_gemv
 qk_norm_rope_store = triton_ops.qk_norm_rope_store
+decode_gemv = triton_ops.decode_gemv

@@ -38,7 +38,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ds = self.ds
-        logits = F.linear(x.float(), self.weight)
+        if kernels.decode_gemv_applies(x):  # float32 logits from the bf16 rows in one launch, no cast kernel
+            logits = kernels.decode_gemv(x, self.weight)
+        else:
+            logits = F.linear(x.float(), self.weight)  # float32, as transformers computes them
         scores = logits.softmax(dim=-1) if ds.scoring_func == "softmax" else logits.sigmoid()
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if ds.topk_method != "greedy" and ds.n_group > 1:
