@@ -168,12 +168,24 @@ def test_paged_decode_empty_context_gives_a_zero_row(target):
     assert_close(out[1:2], want, target.tol, "paged decode beside empty rows")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 40])
-def test_paged_decode_split_count_does_not_change_the_result(target, num_splits):
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (3, False), (40, False), (3, True), (40, True)])
+def test_paged_decode_split_count_does_not_change_the_result(target, num_splits, fused_merge):
     """The Triton split-K merge: any number of splits (empty ones included) gives the float64
-    answer. Each split takes whole 64-token tiles of its own context: at 40 splits the
-    2200-token context fills 35 (more than one 32-split merge step), 150 tokens fill 3 and
-    1 token fills 1, the rest stay empty."""
+    answer, merged by a second launch or by the last split to arrive (``fused_merge``; called
+    twice: its arrival counters are back at zero). Each split takes whole 64-token tiles of its
+    own context: at 40 splits the 2200-token context fills 35 (more than one 32-split merge
+    step), 150 tokens fill 3 and 1 token fills 1, the rest stay empty; with one split the split
+    kernel writes the output itself. A context of 0 stays a zero row on every path."""
     if "triton" not in target.module:
         pytest.skip("num_splits is a Triton-backend knob")
-    run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 2200], seed=num_splits, num_splits=num_splits)
+    for seed in (num_splits, num_splits + 1):
+        run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 0, 2200], seed=seed, num_splits=num_splits,
+                   fused_merge=fused_merge)
+
+
+def test_paged_decode_mla_fused_merge(target):
+    """The one-launch merge on MLA's shapes: one latent KV head, 16 query heads in one head block,
+    V = the first 512 of 576 channels."""
+    if "triton" not in target.module:
+        pytest.skip("fused_merge is a Triton-backend knob")
+    run_decode(target, 1, 16, 576, 512, True, 16, [1, 40], seed=7, num_splits=3, fused_merge=True)
