@@ -21,7 +21,7 @@ from engine.kernels.rope import get_cos_sin_cache
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
            "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
-           "qk_norm_rope_store", "decode_gemv", "decode_gemv_applies"]
+           "qk_norm_rope_store", "decode_gemv"]
 
 ENV_VAR = "AGENT_INFER_KERNELS"
 DECODE_GEMV_ENV = "AGENT_INFER_DECODE_GEMV"  # "1": linear layers take decode_gemv for a decode step's rows
@@ -156,22 +156,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged cache; returns a new ``[B, Hq, Dv]`` tensor.
 
     ``q [B, Hq, D]``; caches ``[num_blocks, block_size, Hk, D]`` (``v_cache`` ``Dv``);
     ``block_tables [B, max_blocks]`` int32 (entries past a sequence's context are never read);
     ``context_lens [B]`` int32; a row with context 0 (graph padding) is all zeros, never NaN.
     ``v_cache=None`` means V is the first ``v_head_dim`` channels of ``k_cache`` (MLA: one
-    512 + 64 latent head, V = first 512).
+    512 + 64 latent head, V = first 512). ``q_rope [B, Hq, R]``: the query is ``cat(q, q_rope)``
+    along the last dim (``D + R`` = the cache's head dim), read from both without concatenating
+    them (MLA's latent and rotated halves).
     """
-    _require(q.dim() == 3 and k_cache.dim() == 4 and q.shape[2] == k_cache.shape[3]
-             and q.shape[1] % k_cache.shape[2] == 0,
-             lambda: f"paged_decode_attention: bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    q_dim = q.shape[-1] + (0 if q_rope is None else q_rope.shape[-1])
+    _require(q.dim() == 3 and k_cache.dim() == 4 and q_dim == k_cache.shape[3]
+             and q.shape[1] % k_cache.shape[2] == 0 and (q_rope is None or q_rope.shape[:2] == q.shape[:2]),
+             lambda: f"paged_decode_attention: bad shapes q {tuple(q.shape)}, q_rope "
+             f"{None if q_rope is None else tuple(q_rope.shape)}, k_cache {tuple(k_cache.shape)}")
     _require(v_cache is not None or (v_head_dim is not None and v_head_dim <= k_cache.shape[3]),
              lambda: "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
     return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
-                                          v_head_dim)
+                                          v_head_dim, q_rope)
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], dim=-1)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     keys = k_cache[block_tables.clamp(min=0)].flatten(1, 2)  # [B, max_blocks * block_size, Hk, D]

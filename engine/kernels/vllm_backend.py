@@ -76,10 +76,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
-    if v_cache is None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    if v_cache is None or q_rope is not None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE:
         return triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
-                                                 v_head_dim)
+                                                 v_head_dim, q_rope)
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
                                   block_table=block_tables, softmax_scale=softmax_scale, causal=True)
     return out.squeeze(1)

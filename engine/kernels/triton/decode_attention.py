@@ -42,14 +42,15 @@ def _split_tokens(context, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr,
-                         scale_log2, num_heads, group, head_blocks, q_stride0, q_stride1,
+def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+                         counters_ptr, scale_log2, num_heads, group, head_blocks, q_stride0, q_stride1, qr_stride0,
+                         qr_stride1,
                          k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2, table_stride,
                          out_stride0, out_stride1,
                          HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
-                         RESULT: tl.constexpr, BLOCK_S: tl.constexpr):
+                         RESULT: tl.constexpr, BLOCK_S: tl.constexpr, SEPARATE_ROPE: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // head_blocks
     num_splits = tl.num_programs(2)
@@ -57,7 +58,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
     g = (tl.program_id(1) % head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < group
     heads = kv_head * group + g
-    q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+    if SEPARATE_ROPE:  # q holds the main block's channels, qr the tail's (MLA: latent | rope, never concatenated)
+        q_main, _ = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, BLOCK_D, BLOCK_D, 0)
+        q_tail, _ = load_q(qr_ptr, seq * qr_stride0 + heads * qr_stride1, g_mask, HEAD_DIM - BLOCK_D, BLOCK_TAIL, 0)
+    else:
+        q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
 
     context = tl.load(lens_ptr + seq)
     split_tokens = _split_tokens(context, num_splits, BLOCK_N)
@@ -145,20 +150,24 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None, num_splits: int | None = None,
-                           fused_merge: bool | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
+                           num_splits: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
     SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
     (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
-    of a second launch. One split never needs a merge."""
-    batch, num_heads, head_dim = q.shape
+    of a second launch. One split never needs a merge. ``q_rope`` is read in place when ``q``
+    fills the head dim's main block exactly (MLA: 512 | 64), else concatenated first."""
+    head_dim = k_cache.shape[3]
+    block_d, block_tail = head_dim_blocks(head_dim)
+    if q_rope is not None and (q.shape[2] != block_d or q_rope.stride(-1) != 1):
+        q, q_rope = torch.cat([q, q_rope], dim=-1), None
+    batch, num_heads, _ = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     v_dim = v_head_dim if v_cache is None else v_cache.shape[3]
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or (v_cache is not None and v_cache.stride(-1) != 1):
         raise ValueError("paged_decode_attention: q and caches need a contiguous last dim")
     values = k_cache if v_cache is None else v_cache
     group = num_heads // num_kv_heads
-    block_d, block_tail = head_dim_blocks(head_dim)
     block_dv = max(16, triton.next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
     block_g = min(max(16, triton.next_power_of_2(group)), 16 if wide else 64)
@@ -178,13 +187,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST else context_lens
     block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_dv))
+    rope = q if q_rope is None else q_rope
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
-        q, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters, softmax_scale * _LOG2E,
-        num_heads, group, head_blocks, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        q, rope, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters,
+        softmax_scale * _LOG2E, num_heads, group, head_blocks, q.stride(0), q.stride(1), rope.stride(0), rope.stride(1),
+        *k_cache.stride()[:3],
         *values.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
-        RESULT=result, BLOCK_S=block_s, num_warps=4, num_stages=2)
+        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=2)
     if result == WRITE_PARTS:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
