@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 _LOG2E = 1.4426950408889634
@@ -168,25 +169,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("paged_decode_attention: q and caches need a contiguous last dim")
     values = k_cache if v_cache is None else v_cache
     group = num_heads // num_kv_heads
-    block_dv = max(16, triton.next_power_of_2(v_dim))
+    block_dv = max(16, next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
-    block_g = min(max(16, triton.next_power_of_2(group)), 16 if wide else 64)
+    block_g = min(max(16, next_power_of_2(group)), 16 if wide else 64)
     block_n = 32 if wide else 64
-    head_blocks = triton.cdiv(group, block_g)
+    head_blocks = cdiv(group, block_g)
     capacity = block_tables.shape[1] * page
     programs = batch * num_kv_heads * head_blocks
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), triton.cdiv(capacity, block_n)))
+        num_splits = max(1, min(cdiv(2 * _num_sms(q.device), programs), cdiv(capacity, block_n)))
     fused = FUSED_MERGE if fused_merge is None else fused_merge
-    result = WRITE_OUT if num_splits == 1 else MERGE_IN_LAST if fused else WRITE_PARTS
+    result = (WRITE_OUT if num_splits == 1 else MERGE_IN_LAST if fused else WRITE_PARTS).value  # a plain int
 
     out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused with one split: any pointer serves
     if num_splits > 1:
         part_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST else context_lens
-    block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_dv))
+    counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST.value else context_lens
+    block_s = max(1, min(next_power_of_2(num_splits), 4096 // block_dv))
     rope = q if q_rope is None else q_rope
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
         q, rope, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters,
@@ -196,7 +197,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
         RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=2)
-    if result == WRITE_PARTS:
+    if result == WRITE_PARTS.value:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
                                                  BLOCK_N=block_n)

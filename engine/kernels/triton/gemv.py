@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import reference
+from engine.kernels.triton.host_math import cdiv
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 MAX_ROWS = 16
@@ -102,7 +103,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
         raise ValueError("decode_gemv: x and weight need a contiguous last dim")
     dtype = x.dtype if x.dtype == weight.dtype else torch.float32  # promotion among bf16 / fp16 / fp32
     out = torch.empty(rows, n_out, dtype=dtype, device=x.device)
-    blocks = triton.cdiv(n_out, config.block_n)
+    blocks = cdiv(n_out, config.block_n)
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
         part = torch.empty(config.split_k, MAX_ROWS, n_out, dtype=torch.float32, device=x.device)
