@@ -132,35 +132,52 @@ def _triton_unit_kernel():
     return add_one
 
 
-def host_ref_us(device: torch.device, units: int = 200, repeats: int = 7) -> float:
-    """Host microseconds to dispatch one unit of a fixed mix of small ops on ``device`` (median of
-    ``repeats`` runs of ``units`` units): ``F.linear`` of a [1, 1024] row by a [1024, 1024]
-    matrix (bf16; on a CPU [1, 64] by [64, 64] float32, so that dispatch, not arithmetic, is
-    timed), an in-place add and, on CUDA, a trivial Triton kernel. The device is synchronised
-    before each run and not after it: the time is dispatch only (each op takes the GPU a few µs,
-    less than its dispatch, so the launch queue never fills)."""
-    cuda = device.type == "cuda"
-    dtype, width = (torch.bfloat16, 1024) if cuda else (torch.float32, 64)
-    x = torch.randn(1, width, dtype=dtype, device=device)
-    w = torch.randn(width, width, dtype=dtype, device=device)
-    y = torch.empty(1, width, dtype=dtype, device=device)
-    kernel = _triton_unit_kernel() if cuda else None
+class HostReference:
+    """The host reference: a fixed mix of small ops dispatched on ``device``, one unit being
+    ``F.linear`` of a [1, 1024] row by a [1024, 1024] matrix (bf16; on a CPU [1, 64] by [64, 64]
+    float32, so that dispatch, not arithmetic, is timed), an in-place add and, on CUDA, a trivial
+    Triton kernel. ``run(seconds)`` dispatches units for about that long; ``us_per_unit`` is the
+    mean host time per unit over every run so far (a mean, like the rates it is set against, so
+    that time the host spends elsewhere, under another process's load, counts here as there).
+    The device is synchronised before a run and not after: the time is dispatch only (each op
+    takes the GPU a few µs, less than its dispatch, so the launch queue never fills)."""
 
-    def unit():
-        out = F.linear(x, w)
-        out.add_(x)
-        if kernel is not None:
-            kernel[(1,)](x, y, width, BLOCK=width)
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        dtype, width = (torch.bfloat16, 1024) if self.cuda else (torch.float32, 64)
+        self.x = torch.randn(1, width, dtype=dtype, device=device)
+        self.w = torch.randn(width, width, dtype=dtype, device=device)
+        self.y = torch.empty(1, width, dtype=dtype, device=device)
+        self.kernel = _triton_unit_kernel() if self.cuda else None
+        self.elapsed, self.units = 0.0, 0
+        self._unit()  # compiles the Triton kernel, warms cuBLAS
 
-    unit()  # compiles the Triton kernel, warms cuBLAS
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
+    def _unit(self) -> None:
+        out = F.linear(self.x, self.w)
+        out.add_(self.x)
+        if self.kernel is not None:
+            self.kernel[(1,)](self.x, self.y, self.x.shape[1], BLOCK=self.x.shape[1])
+
+    def run(self, seconds: float) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        for _ in range(units):
-            unit()
-        times.append(1e6 * (time.perf_counter() - start) / units)
-    if cuda:
-        torch.cuda.synchronize(device)
-    return statistics.median(times)
+        while True:
+            for _ in range(10):
+                self._unit()
+            self.units += 10
+            if time.perf_counter() - start >= seconds:
+                break
+        self.elapsed += time.perf_counter() - start
+
+    @property
+    def us_per_unit(self) -> float:
+        return 1e6 * self.elapsed / self.units
+
+
+def host_ref_us(device: torch.device, seconds: float = 1.0) -> float:
+    """The host reference measured alone for about ``seconds``: µs per unit."""
+    reference = HostReference(device)
+    reference.run(seconds)
+    return reference.us_per_unit

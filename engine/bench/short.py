@@ -15,8 +15,8 @@ references    the device floors of the Qwen3 preset's dense shapes: copy bandwid
               cuBLAS matmul chain, the prefill GEMMs (no model code)
 qwen3         the Qwen3 preset, default engine (CUDA graphs on CUDA): B=1 decode tok/s, prefill
               tok/s of one long prompt (prompt tokens / TTFT), offline throughput of a batch
-qwen3_eager   the same weights with ``--enforce-eager``: B=1 decode tok/s, host dispatch of a
-              step, and the host reference measured before and after them
+qwen3_eager   the same weights with ``--enforce-eager``: B=1 decode tok/s with the host reference
+              run after each step for as long as the step took, host dispatch of a step
 deepseek      the DeepSeek-V2-Lite preset, default engine: B=1 decode tok/s
 
 ``--tiny`` runs the same code on the tiny presets with small sizes (seconds on a CPU); its
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from engine.bench import emit, machine, offline
-from engine.bench.floors import REFERENCE_FIGURES, device_floors, host_ref_us
+from engine.bench.floors import REFERENCE_FIGURES, HostReference, device_floors
 from engine.bench.models import PRESETS
 
 TOLERANCE = 0.10  # what --write-baseline records: a figure more than 10 % worse than the baseline fails the gate
@@ -145,6 +145,26 @@ def measure_qwen3(scale: Scale, seed: int) -> dict:
             "cuda_graphs": graphs, "decode": decode, "ttft": ttft, "throughput": throughput}
 
 
+def decode_beside_host_reference(engine, prompt: list[int], tokens: int) -> dict:
+    """B=1 eager decode of ``tokens`` steps, each followed by as long a run of the host reference
+    (``HostReference``): both sample the same stretches of the host's time, so a load that comes
+    and goes during the run weighs on both alike. tok/s counts the steps' time only."""
+    reference = HostReference(engine.device)
+    rid = engine.add_request(prompt, offline.greedy(tokens + 1), detokenize=False)
+    engine.step()  # prefill: the first output token
+    seconds = 0.0
+    for _ in range(tokens):
+        start = time.perf_counter()
+        engine.step()
+        took = time.perf_counter() - start
+        seconds += took
+        reference.run(took)
+    decoded = len(engine.pop_request(rid).token_ids) - 1
+    assert decoded == tokens and not engine.has_unfinished_requests(), (decoded, tokens)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
+            "host_ref_us": reference.us_per_unit, "host_ref_units": reference.units}
+
+
 def measure_qwen3_eager(scale: Scale, seed: int) -> dict:
     from engine.bench.models import open_engine
 
@@ -153,15 +173,13 @@ def measure_qwen3_eager(scale: Scale, seed: int) -> dict:
     with open_engine(args) as (engine, _):
         rng = random.Random(seed)
         offline.warm_up(engine, rng)
-        host_refs = [host_ref_us(engine.device)]  # the host as the timings below meet it: before and after
         prompt = offline.random_prompt(rng, scale.decode_prompt_len, engine.config.vocab_size)
-        decode = offline.measure_decode(engine, prompt, scale.eager_decode_tokens)
+        decode = decode_beside_host_reference(engine, prompt, scale.eager_decode_tokens)
         split = offline.measure_step_split(engine, rng, scale.decode_prompt_len, scale.split_steps)
-        host_refs.append(host_ref_us(engine.device))
     return {"figures": {"qwen3_eager_decode_b1_tok_s": decode["tok_s"],
                         "qwen3_eager_host_us_per_step": split["host_dispatch_us_per_step"],
-                        "host_ref_us": sum(host_refs) / 2},
-            "decode": decode, "step_split": split, "host_ref_us_before_after": host_refs}
+                        "host_ref_us": decode["host_ref_us"]},
+            "decode": decode, "step_split": split}
 
 
 def measure_deepseek(scale: Scale, seed: int) -> dict:
