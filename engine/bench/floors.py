@@ -139,8 +139,9 @@ class HostReference:
     Triton kernel. ``run(seconds)`` dispatches units for about that long; ``us_per_unit`` is the
     mean host time per unit over every run so far (a mean, like the rates it is set against, so
     that time the host spends elsewhere, under another process's load, counts here as there).
-    The device is synchronised before a run and not after: the time is dispatch only (each op
-    takes the GPU a few µs, less than its dispatch, so the launch queue never fills)."""
+    The time is dispatch only: nothing synchronises (each op takes the GPU a few µs, less than
+    its dispatch, so the launch queue never fills), and a run beside an engine step still in
+    flight on the GPU does not wait for it."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -152,6 +153,8 @@ class HostReference:
         self.kernel = _triton_unit_kernel() if self.cuda else None
         self.elapsed, self.units = 0.0, 0
         self._unit()  # compiles the Triton kernel, warms cuBLAS
+        if self.cuda:
+            torch.cuda.synchronize(device)
 
     def _unit(self) -> None:
         out = F.linear(self.x, self.w)
@@ -160,8 +163,6 @@ class HostReference:
             self.kernel[(1,)](self.x, self.y, self.x.shape[1], BLOCK=self.x.shape[1])
 
     def run(self, seconds: float) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         while True:
             for _ in range(10):
