@@ -2,7 +2,9 @@
 merges in one launch). A kernel's program stores its partial result, then increments its group's
 counter; the program that sees ``count == group size - 1`` reads every partial, writes the
 result and sets the counter back to 0, so the counters are all zero between launches and a
-launch needs no zeroing (no memset: CUDA-graph safe).
+launch needs no zeroing (no memset: CUDA-graph safe). Every such kernel of a device shares one
+buffer from its first counter: launches that use them must not run concurrently (one stream, as
+the engine runs its steps).
 """
 from __future__ import annotations
 
