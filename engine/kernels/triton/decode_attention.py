@@ -29,10 +29,10 @@ from engine.kernels.triton.host_math import cdiv, next_power_of_2
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 _LOG2E = 1.4426950408889634
-FUSED_MERGE = False  # several splits merged by the last split (one launch) instead of a merge launch: off until
-# the H200 measures it faster (scripts/bench_kernels.py times both)
-# what the split kernel does with its result
-WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# several splits merged by the last split to arrive (one launch) instead of by a merge launch: off
+# until the H200 measures it faster (scripts/bench_kernels.py times both)
+FUSED_MERGE = False
+WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the split kernel's result
 
 
 @triton.jit
