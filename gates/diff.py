@@ -2,10 +2,13 @@
 comparison of benchmark figures with a baseline that the performance gate (phase 11) makes.
 
 A benchmark figure is ``{"value", "unit", "higher_is_better"}`` (``engine.bench.short``); the
-performance gate's test records its figures in the gate report (``record_property("figures",
-...)``, kept by ``gates.pytest_plugin``). The diff prints phases whose status changed, tests whose
-outcome flipped (or that are new or gone) in runs that ran in both reports, runs that slowed, and
-every benchmark figure that changed. Something *regressed* when a phase that passed no longer
+performance gate's test records the figures it compares in the gate report
+(``record_property("figures", ...)``: normalised, each stated against a reference measured in
+the same run, so they hold from one H200 host to another) and the raw figures they came from
+(``record_property("raw_figures", ...)``), both kept by ``gates.pytest_plugin``. The diff prints
+phases whose status changed, tests whose outcome flipped (or that are new or gone) in runs that
+ran in both reports, runs that slowed, every compared figure that changed, and the raw figures
+(shown, never a regression: they move with the host). Something *regressed* when a phase that passed no longer
 passes (a phase now skipped lost its coverage) or one that was skipped now fails or is blocked, a
 test that passed is now skipped, gone, failing or erroring (or a skipped one fails or errors), a
 run is slower by more than ``slower`` (relative) and ``MIN_SLOWER_S``, or a figure is worse than
@@ -73,14 +76,15 @@ def compare(figures: dict, baseline: dict, tolerance: float) -> list[FigureChang
     return [c for c in figure_changes(baseline, figures, tolerance) if c.regressed]
 
 
-def report_figures(report: dict) -> tuple[dict, float | None]:
-    """(every benchmark figure tests recorded in a gate report, the tolerance recorded with them)."""
+def report_figures(report: dict, kind: str = "figures") -> tuple[dict, float | None]:
+    """(every benchmark figure tests recorded in a gate report under ``kind``: "figures", the
+    compared ones, or "raw_figures"; the tolerance recorded with them)."""
     figures, tolerance = {}, None
     for phase in report["phases"]:
         for run in phase.get("runs", []):
             for test in run.get("test_results", []):
                 properties = test.get("properties", {})
-                figures.update(properties.get("figures", {}))
+                figures.update(properties.get(kind, {}))
                 tolerance = properties.get("figure_tolerance", tolerance)
     return figures, tolerance
 
@@ -147,11 +151,15 @@ def diff(old: dict, new: dict, tolerance: float | None = None, slower: float = D
     old_runs, new_runs = _runs(old), _runs(new)
     figures = [(c.line(), c.regressed) for c in figure_changes(old_figures, new_figures, tolerance)
                if c.change != 0 or c.regressed]
+    raw = [(c.line(), False) for c in figure_changes(report_figures(old, "raw_figures")[0],
+                                                     report_figures(new, "raw_figures")[0], tolerance)
+           if c.change != 0]
     sections = [("phases whose status changed", phase_changes(old, new)),
                 ("tests that flipped (runs that ran in both)", flipped_tests(old_runs, new_runs)),
                 (f"runs slower by more than {slower:.0%} and {MIN_SLOWER_S:g} s", slowed_runs(old_runs, new_runs,
                                                                                                slower)),
-                (f"benchmark figures (tolerance {tolerance:.0%})", figures)]
+                (f"benchmark figures (tolerance {tolerance:.0%})", figures),
+                ("raw benchmark figures (not compared: they move with the host)", raw)]
     out = [f"old: {old.get('command', '?')} ({old.get('machine', {}).get('timestamp', '?')})",
            f"new: {new.get('command', '?')} ({new.get('machine', {}).get('timestamp', '?')})"]
     for title, lines in sections:

@@ -4,7 +4,8 @@
 
 Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
 and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
-at decode and prefill sizes. Times are medians of CUDA-event timings from
+at decode and prefill sizes; paged decode also with its one-launch merge, and the decode
+GEMV (best config per shape) against cuBLAS on Qwen3-8B's linears. Times are medians of CUDA-event timings from
 triton.testing.do_bench, which clears the L2 cache before every call, so no
 timing measures data left in L2. Our kernels are timed as CUDA-graph replays
 (their own time, as graph-captured decode runs them) and eagerly (with
@@ -154,6 +155,9 @@ def bench_decode(results, copy):
                 lambda: ours.paged_decode_attention(*args),
                 lambda: reference.paged_decode_attention(*args), nbytes, copy=copy,
                 baseline={"sdpa_contiguous_us": sdpa_ms * 1e3})
+            row(results, "paged_decode 1 launch", "qwen3-8b", f"B={batch} ctx={ctx} bs={block_size}",
+                lambda: ours.paged_decode_attention(*args, fused_merge=True),
+                lambda: reference.paged_decode_attention(*args), nbytes, copy=copy)
     width = DSV2["kv_lora"] + DSV2["rope"]
     for batch in (1, 8, 64):
         q = rand(batch, DSV2["heads"], width)
@@ -163,6 +167,33 @@ def bench_decode(results, copy):
             row(results, "paged_decode (MLA)", "dsv2-lite", f"B={batch} ctx={ctx} bs={block_size}",
                 lambda: ours.paged_decode_attention(*args),
                 lambda: reference.paged_decode_attention(*args), batch * ctx * width * 2, copy=copy)
+            row(results, "paged_decode (MLA) 1 l.", "dsv2-lite", f"B={batch} ctx={ctx} bs={block_size}",
+                lambda: ours.paged_decode_attention(*args, fused_merge=True),
+                lambda: reference.paged_decode_attention(*args), batch * ctx * width * 2, copy=copy)
+
+
+def bench_gemv(results, copy):
+    """The decode GEMV on Qwen3-8B's linears (down_proj with its SiLU-and-mul prologue) at 1, 4 and 8
+    rows: every config as a graph replay, the best against cuBLAS (``F.linear``, after
+    ``silu_and_mul`` for down_proj) in the same run; GB/s counts the weight bytes."""
+    from engine.kernels.triton.gemv import CANDIDATES, launch
+
+    hidden, inter, heads, kv, d = (QWEN[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    shapes = {"qkv_proj": ((heads + 2 * kv) * d, hidden, None), "o_proj": (hidden, heads * d, None),
+              "gate_up_proj": (2 * inter, hidden, None), "down_proj+silu_mul": (hidden, inter, "silu_mul"),
+              "lm_head": (151936, hidden, None)}
+    for name, (n_out, k_dim, act) in shapes.items():
+        weight = rand(n_out, k_dim) * k_dim ** -0.5
+        for rows in (1, 4, 8):
+            x = rand(rows, 2 * k_dim if act else k_dim)
+            times = {config: graph_ms(lambda: launch(x, weight, None, act, config)) for config in CANDIDATES}
+            best = min(times, key=times.get)
+            cublas_ms = graph_ms(lambda: reference.decode_gemv(x, weight, None, act))
+            row(results, "decode_gemv", "qwen3-8b", f"{name} M={rows} N={n_out} K={k_dim}",
+                lambda: launch(x, weight, None, act, best), lambda: reference.decode_gemv(x, weight, None, act),
+                weight.numel() * 2, copy=copy,
+                baseline={"best_config": list(best), "cublas_us": cublas_ms * 1e3,
+                          "cublas_gbps": weight.numel() * 2 / cublas_ms / 1e6})
 
 
 def bench_prefill(results):
@@ -204,6 +235,7 @@ def main() -> None:
     bench_elementwise(results, copy)
     bench_rotary_and_store(results, copy)
     bench_decode(results, copy)
+    bench_gemv(results, copy)
     bench_prefill(results)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy,
               "results": results}
@@ -214,8 +246,9 @@ def main() -> None:
     print(f"{'op':22} {'model':9} {'shape':34} {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'TFLOP/s':>7} "
           f"{'eager us':>8} {'torch us':>9}  extra")
     for r in results:
-        extra = {k: round(v, 1) for k, v in r.items() if k in ("sdpa_contiguous_us", "torch_varlen_tflops",
-                                                                  "triton_kernel_tflops")}
+        extra = {k: v if isinstance(v, list) else round(v, 1) for k, v in r.items()
+                 if k in ("sdpa_contiguous_us", "torch_varlen_tflops", "triton_kernel_tflops", "cublas_us",
+                          "cublas_gbps", "best_config")}
         print(f"{r['op']:22} {r['model']:9} {r['shape']:34} {r['ours_us']:8.1f} {r.get('gbps', float('nan')):6.0f} "
               f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):7.1f} "
               f"{r['ours_eager_us']:8.1f} {r['torch_eager_us']:9.1f}  {extra or ''}")

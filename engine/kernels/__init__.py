@@ -4,7 +4,7 @@ Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
 ``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
 needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
-error. Each backend module is the dispatch table: it defines the same nine functions.
+error. Each backend module is the dispatch table: it defines the same ten functions.
 The wrappers below check shapes only (never tensor values), so they add no host sync.
 """
 from __future__ import annotations
@@ -21,9 +21,11 @@ from engine.kernels.rope import get_cos_sin_cache
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
            "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
-           "qk_norm_rope_store"]
+           "qk_norm_rope_store", "decode_gemv"]
 
 ENV_VAR = "AGENT_INFER_KERNELS"
+DECODE_GEMV_ENV = "AGENT_INFER_DECODE_GEMV"  # "1": linear layers take decode_gemv for a decode step's rows
+DECODE_GEMV_MAX_ROWS = 8
 _MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
             "vllm": "engine.kernels.vllm_backend"}
 
@@ -154,22 +156,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged cache; returns a new ``[B, Hq, Dv]`` tensor.
 
     ``q [B, Hq, D]``; caches ``[num_blocks, block_size, Hk, D]`` (``v_cache`` ``Dv``);
     ``block_tables [B, max_blocks]`` int32 (entries past a sequence's context are never read);
     ``context_lens [B]`` int32; a row with context 0 (graph padding) is all zeros, never NaN.
     ``v_cache=None`` means V is the first ``v_head_dim`` channels of ``k_cache`` (MLA: one
-    512 + 64 latent head, V = first 512).
+    512 + 64 latent head, V = first 512). ``q_rope [B, Hq, R]``: the query is ``cat(q, q_rope)``
+    along the last dim (``D + R`` = the cache's head dim), read from both without concatenating
+    them (MLA's latent and rotated halves).
     """
-    _require(q.dim() == 3 and k_cache.dim() == 4 and q.shape[2] == k_cache.shape[3]
-             and q.shape[1] % k_cache.shape[2] == 0,
-             lambda: f"paged_decode_attention: bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    q_dim = q.shape[-1] + (0 if q_rope is None else q_rope.shape[-1])
+    _require(q.dim() == 3 and k_cache.dim() == 4 and q_dim == k_cache.shape[3]
+             and q.shape[1] % k_cache.shape[2] == 0 and (q_rope is None or q_rope.shape[:2] == q.shape[:2]),
+             lambda: f"paged_decode_attention: bad shapes q {tuple(q.shape)}, q_rope "
+             f"{None if q_rope is None else tuple(q_rope.shape)}, k_cache {tuple(k_cache.shape)}")
     _require(v_cache is not None or (v_head_dim is not None and v_head_dim <= k_cache.shape[3]),
              lambda: "paged_decode_attention: v_cache=None needs v_head_dim <= the cache head dim")
     return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
-                                          v_head_dim)
+                                          v_head_dim, q_rope)
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -207,3 +213,30 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
              lambda: "qk_norm_rope_store: q_weight and k_weight are both [D] or both None")
     _ops(q).qk_norm_rope_store(positions, q, k, v, q_weight, k_weight, eps, cos_sin_cache, k_cache, v_cache,
                                slot_mapping)
+
+
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    """``act(x) @ weight.T + bias``, a new ``[M, N]`` tensor in ``promote(x.dtype, weight.dtype)``
+    (float32 accumulation): ``x [M, K]`` (any row stride), ``weight [N, K]``, ``bias [N]`` or None;
+    ``activation`` None, or ``"silu_mul"``: x is ``[M, 2K]`` gate | up and ``act(x) = silu(gate) *
+    up`` rounded to x's dtype (``silu_and_mul``), read in the GEMV's prologue. For the few rows of a
+    decode step: one launch on CUDA (split-K, configured once per shape; cuBLAS where it measured
+    faster), no activation tensor, no cast of a bf16 x for a float32 weight."""
+    k_dim = x.shape[-1] // 2 if activation == "silu_mul" else x.shape[-1]
+    _require(activation in (None, "silu_mul"),
+             lambda: f"decode_gemv: activation must be None or 'silu_mul', got {activation!r}")
+    _require(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == k_dim
+             and (activation is None or x.shape[-1] % 2 == 0)
+             and (bias is None or bias.shape == weight.shape[:1]),
+             lambda: f"decode_gemv: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+             f"bias {None if bias is None else tuple(bias.shape)} (activation {activation})")
+    return _ops(x).decode_gemv(x, weight, bias, activation)
+
+
+def decode_gemv_applies(x: torch.Tensor) -> bool:
+    """Whether a linear layer hands ``x`` (its input) to ``decode_gemv``: switched on with
+    ``AGENT_INFER_DECODE_GEMV=1`` (off by default until the H200 measures it faster than cuBLAS),
+    a CUDA tensor of at most ``DECODE_GEMV_MAX_ROWS`` rows (shapes only: CUDA-graph safe)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= DECODE_GEMV_MAX_ROWS
+            and os.environ.get(DECODE_GEMV_ENV) == "1")

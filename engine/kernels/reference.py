@@ -71,7 +71,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], dim=-1)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     keys = k_cache[block_tables.clamp(min=0)].flatten(1, 2)  # [B, max_blocks * block_size, Hk, D]
@@ -88,6 +90,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     out = torch.einsum("tjnk,tk->tjn", weights[expert_ids.clamp(min=0)].float(), x.float())
     return out.masked_fill_((expert_ids < 0)[..., None], 0.0).to(x.dtype)
+
+
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    if activation == "silu_mul":
+        act = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        silu_and_mul(act, x)
+        x = act
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,7 +1,7 @@
 """vllm / flash-attn backend: the seed's wrappers over ``vllm._custom_ops`` and ``flash_attn``.
 
-Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv`` and
-``qk_norm_rope_store`` have no vllm counterpart here and are Triton's. Cases those libraries do not
+Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv``,
+``qk_norm_rope_store`` and ``decode_gemv`` have no vllm counterpart here and are Triton's. Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
 ``v_cache`` None), value head dims that differ from the query's, paged
 blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum), and an
@@ -76,10 +76,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None) -> torch.Tensor:
-    if v_cache is None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    if v_cache is None or q_rope is not None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE:
         return triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
-                                                 v_head_dim)
+                                                 v_head_dim, q_rope)
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
                                   block_table=block_tables, softmax_scale=softmax_scale, causal=True)
     return out.squeeze(1)
@@ -87,3 +87,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 expert_gemv = triton_ops.expert_gemv
 qk_norm_rope_store = triton_ops.qk_norm_rope_store
+decode_gemv = triton_ops.decode_gemv

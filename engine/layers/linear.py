@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.distributed import TPGroup, all_gather_last_dim, all_reduce_sum, get_tp_group
 
 WeightLoader = Callable[..., None]  # (param, loaded, shard_id=None, presliced=False) -> None
@@ -27,6 +28,14 @@ def new_parameter(*shape: int, weight_loader: WeightLoader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = weight_loader
     return param
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (a new tensor): the few rows of a decode step through
+    ``kernels.decode_gemv`` when it is switched on (``kernels.decode_gemv_applies``), else cuBLAS."""
+    if kernels.decode_gemv_applies(x):
+        return kernels.decode_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -66,7 +75,7 @@ class ReplicatedLinear(nn.Module):
         load_shard(param.data, loaded, 0, 0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -87,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
         load_shard(param.data, loaded, 0, self.tp.rank, self.tp.size, presliced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         return all_gather_last_dim(y, self.tp.name) if self.gather_output and self.tp.size > 1 else y
 
 
@@ -173,6 +182,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return dense(x, self.weight, self.bias)
         y = all_reduce_sum(F.linear(x, self.weight), self.tp.name)
         return y if self.bias is None else y + self.bias

@@ -103,9 +103,9 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, n, rank]
-        o_latent = kernels.paged_decode_attention(torch.cat([q_latent, q_pe], dim=-1), self.k_cache, None,
-                                                  ctx.block_tables, ctx.context_lens, self.scale,
-                                                  v_head_dim=self.kv_lora_rank)  # [B, n, rank]
+        o_latent = kernels.paged_decode_attention(q_latent, self.k_cache, None, ctx.block_tables, ctx.context_lens,
+                                                  self.scale, v_head_dim=self.kv_lora_rank,
+                                                  q_rope=q_pe)  # [B, n, rank]; latent | rope read in place
         out = o_latent.new_empty(o_latent.shape[0], self.num_heads, self.v_dim)  # [B, n, v], written per head
         torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out

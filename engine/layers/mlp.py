@@ -18,7 +18,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 class SwiGLUMLP(nn.Module):
     """``[T, H] -> [T, H]`` (new tensor): one gate-up GEMM (column-parallel, gate | up),
-    ``silu(gate) * up`` in one kernel, down_proj (row-parallel, one all-reduce under TP)."""
+    ``silu(gate) * up`` in one kernel, down_proj (row-parallel, one all-reduce under TP). With
+    the decode GEMV on (``kernels.decode_gemv_applies``, one rank), a decode step's down_proj
+    reads gate | up and applies ``silu(gate) * up`` in its prologue: no activation kernel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
         super().__init__()
@@ -26,4 +28,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.tp.size == 1 and kernels.decode_gemv_applies(gate_up):
+            return kernels.decode_gemv(gate_up, self.down_proj.weight, activation="silu_mul")
+        return self.down_proj(swiglu(gate_up))

@@ -47,7 +47,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ds = self.ds
-        logits = F.linear(x.float(), self.weight)
+        if kernels.decode_gemv_applies(x):  # float32 logits from the bf16 rows in one launch, no cast kernel
+            logits = kernels.decode_gemv(x, self.weight)
+        else:
+            logits = F.linear(x.float(), self.weight)  # float32, as transformers computes them
         scores = logits.softmax(dim=-1) if ds.scoring_func == "softmax" else logits.sigmoid()
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if ds.topk_method != "greedy" and ds.n_group > 1:
@@ -127,7 +130,9 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not match {tuple(dst.shape)}")
         dst.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """``add [T, H]`` (e.g. the shared experts' output) is summed in the combining batched GEMM."""
         weights = weights.to(x.dtype)
         if ids.numel() <= self.num_local:
             path, foreign_id = self._gathered, -1
@@ -140,26 +145,37 @@ class RoutedExperts(nn.Module):
             foreign = (ids < 0) | (ids >= self.num_local)
             weights = weights.masked_fill(foreign, 0)
             ids = ids.masked_fill(foreign, foreign_id)
-        return path(x, weights, ids)
+        return path(x, weights, ids, add)
 
-    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _combine(weights: torch.Tensor, rows: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        """``add + sum_j weights[t, j] * rows[t, j]``: ``weights [T, J]``, ``rows [T, J, H]`` -> ``[T, H]``,
+        one batched GEMM (``add`` None: nothing added)."""
+        if add is None:
+            return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
+        return torch.baddbmm(add.unsqueeze(1), weights.unsqueeze(1), rows).squeeze(1)
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  add: torch.Tensor | None) -> torch.Tensor:
         """Each token's row times each of its experts' weights, read in place (``expert_gemv``;
         id -1, another rank's expert: a zero row, no weights read), summed with its weights."""
         tokens, per_token = ids.shape
         act = swiglu(kernels.expert_gemv(x, self.gate_up_proj, ids))                       # [T, k, I]
         y = kernels.expert_gemv(act.view(tokens * per_token, -1), self.down_proj, ids.view(-1, 1))  # [T*k, 1, H]
-        return torch.bmm(weights.unsqueeze(1), y.view(tokens, per_token, -1)).squeeze(1)
+        return self._combine(weights, y.view(tokens, per_token, -1), add)
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               add: torch.Tensor | None) -> torch.Tensor:
         """Every local expert on every token, combined by the routing weights scattered to
         ``[T, E_local]`` (zero for the experts a token did not choose)."""
         dense_weights = torch.zeros(x.shape[0], self.num_local, dtype=x.dtype, device=x.device)
         dense_weights.scatter_add_(1, ids, weights)
         act = swiglu(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))   # [E_local, T, I]
         y = torch.bmm(act, self.down_proj.transpose(1, 2))                     # [E_local, T, H]
-        return torch.einsum("te,eth->th", dense_weights, y)
+        return self._combine(dense_weights, y.transpose(0, 1), add)
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 add: torch.Tensor | None) -> torch.Tensor:
         """Assignments sorted by expert (``experts == E_local`` marks another rank's, sorted last),
         two grouped GEMMs over the local experts (``torch._grouped_mm``, group ends found on the
         device: one CUTLASS launch each for bf16 on sm90, no host read; elsewhere torch loops over
@@ -176,7 +192,7 @@ class RoutedExperts(nn.Module):
         y.masked_fill_(position[:, None] >= ends[-1], 0)    # rows past the last group are undefined
         token_order = torch.empty_like(order).index_put_((order,), position)
         y = y[token_order].view(*experts.shape, -1)                                       # [T, k, H]
-        return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
+        return self._combine(weights, y, add)
 
 
 class MoE(nn.Module):
@@ -193,6 +209,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.ep.size == 1 and self.shared_experts is not None:  # one GEMM combines the experts and adds
+            return self.experts(x, weights, ids, add=self.shared_experts(x))
         out = self.experts(x, weights, ids)
         if self.ep.size > 1:
             out = all_reduce_sum(out, self.ep.name)

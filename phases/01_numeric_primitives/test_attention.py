@@ -110,7 +110,10 @@ def decode_truth(q, k_cache, v_cache, tables, context_lens, scale, v_dim):
     return torch.cat(outs)
 
 
-def run_decode(target, kv_heads, ratio, head_dim, v_dim, latent, block_size, context_lens, seed, **kwargs):
+def run_decode(target, kv_heads, ratio, head_dim, v_dim, latent, block_size, context_lens, seed, rope_dim=0,
+               **kwargs):
+    """``rope_dim`` > 0: the query's last ``rope_dim`` channels come as ``q_rope``, the rest as a
+    head-major strided view (MLA's latent query out of its per-head bmm)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
     q = rand(gen, len(context_lens), kv_heads * ratio, head_dim, target=target)
@@ -118,11 +121,15 @@ def run_decode(target, kv_heads, ratio, head_dim, v_dim, latent, block_size, con
     v_cache = None if latent else rand(gen, num_blocks, block_size, kv_heads, v_dim, target=target)
     tables = paged_case(num_blocks, block_size, context_lens, gen)
     scale = head_dim ** -0.5
+    query = {"q": q}
+    if rope_dim:
+        head_major = q[..., :head_dim - rope_dim].transpose(0, 1).contiguous().transpose(0, 1)
+        query = {"q": head_major, "q_rope": q[..., head_dim - rope_dim:]}
     with poisoned_allocations():
         out = target.ops.paged_decode_attention(
-            q, k_cache, v_cache, tables.to(target.device),
-            torch.tensor(context_lens, dtype=torch.int32, device=target.device), scale,
-            v_dim if latent else None, **kwargs)
+            k_cache=k_cache, v_cache=v_cache, block_tables=tables.to(target.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=target.device), softmax_scale=scale,
+            v_head_dim=v_dim if latent else None, **query, **kwargs)
     want = decode_truth(q, k_cache, v_cache, tables, context_lens, scale, v_dim)
     assert_close(out, want, target.tol, f"paged decode context_lens={context_lens} block_size={block_size}")
 
@@ -146,11 +153,14 @@ def test_paged_decode_attention_matches_float64(target):
     run_cases(target, shapes.flatmap(lambda s: st.tuples(st.just(s), context_lengths(s[3], max_len))), check)
 
 
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_paged_decode_attention_mla_latent_cache(target, block_size):
-    """MLA decode: one KV head of 512 + 64, V = its first 512 channels, 16 query heads."""
+@pytest.mark.parametrize("block_size,rope_dim", [(16, 0), (256, 0), (16, 64)])
+def test_paged_decode_attention_mla_latent_cache(target, block_size, rope_dim):
+    """MLA decode: one KV head of 512 + 64, V = its first 512 channels, 16 query heads; with
+    ``rope_dim`` the query comes as its latent part (a strided view) and ``q_rope``, never
+    concatenated by the caller."""
     run_decode(target, 1, 16, 576, 512, True, block_size, [1, block_size + 3, 300][: 2 if target.max_tokens < 300
-                                                                                     else 3], seed=block_size)
+                                                                                     else 3], seed=block_size,
+               rope_dim=rope_dim)
 
 
 def test_paged_decode_empty_context_gives_a_zero_row(target):
@@ -168,12 +178,30 @@ def test_paged_decode_empty_context_gives_a_zero_row(target):
     assert_close(out[1:2], want, target.tol, "paged decode beside empty rows")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 40])
-def test_paged_decode_split_count_does_not_change_the_result(target, num_splits):
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (3, False), (40, False), (3, True), (40, True)])
+def test_paged_decode_split_count_does_not_change_the_result(target, num_splits, fused_merge):
     """The Triton split-K merge: any number of splits (empty ones included) gives the float64
-    answer. Each split takes whole 64-token tiles of its own context: at 40 splits the
-    2200-token context fills 35 (more than one 32-split merge step), 150 tokens fill 3 and
-    1 token fills 1, the rest stay empty."""
+    answer, merged by a second launch or by the last split to arrive (``fused_merge``; called
+    twice: its arrival counters are back at zero). Each split takes whole 64-token tiles of its
+    own context: at 40 splits the 2200-token context fills 35 (more than one 32-split merge
+    step), 150 tokens fill 3 and 1 token fills 1, the rest stay empty; with one split the split
+    kernel writes the output itself. A context of 0 stays a zero row on every path."""
     if "triton" not in target.module:
         pytest.skip("num_splits is a Triton-backend knob")
-    run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 2200], seed=num_splits, num_splits=num_splits)
+    for seed in (num_splits, num_splits + 1):
+        run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 0, 2200], seed=seed, num_splits=num_splits,
+                   fused_merge=fused_merge)
+
+
+def test_paged_decode_mla_fused_merge(target):
+    """The one-launch merge on MLA's shapes: one latent KV head, 16 query heads in one head block,
+    V = the first 512 of 576 channels."""
+    if "triton" not in target.module:
+        pytest.skip("fused_merge is a Triton-backend knob")
+    run_decode(target, 1, 16, 576, 512, True, 16, [1, 40], seed=7, num_splits=3, fused_merge=True)
+
+
+def test_paged_decode_query_in_two_parts_off_the_main_block(target):
+    """``q_rope`` where the first part does not fill the head dim's main block (96 | 32 of 128, GQA):
+    the same answer as the whole query (the Triton backend concatenates first)."""
+    run_decode(target, 2, 4, 128, 128, False, 16, [5, 40], seed=3, rope_dim=32)

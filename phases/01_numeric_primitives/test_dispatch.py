@@ -131,6 +131,7 @@ def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):
         "paged_decode_attention": lambda: K.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125),
         "varlen_attention": lambda: K.varlen_attention(q, k, v, cu, cu, 1, 1, 0.125),
         "expert_gemv": lambda: K.expert_gemv(x, experts, expert_ids),
+        "decode_gemv": lambda: K.decode_gemv(x, experts[0][:, :hidden // 2], weight[:48], "silu_mul"),
         "qk_norm_rope_store": lambda: K.qk_norm_rope_store(positions, q, k, v, weight[:head_dim], weight[:head_dim],
                                                            1e-6, cache, k_cache, v_cache, slots),
     }

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import cdiv
+
 _BLOCK = 1024
 
 
@@ -24,4 +26,4 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     if x.stride(-1) != 1 or y.stride(-1) != 1:
         raise ValueError("silu_and_mul: input and out need a contiguous last dim")
     half = y.shape[1]
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(half, _BLOCK))](x, y, half, x.stride(0), y.stride(0), BLOCK=_BLOCK)
+    _silu_and_mul_kernel[(x.shape[0], cdiv(half, _BLOCK))](x, y, half, x.stride(0), y.stride(0), BLOCK=_BLOCK)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import next_power_of_2
+
 # Finite stand-in for -inf as the initial running max: keeps exp2(m_old - m_new) = 0 without NaNs.
 NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -17,7 +19,7 @@ def head_dim_blocks(head_dim: int) -> tuple[int, int]:
     """(main, tail) power-of-two blocks covering ``head_dim``; tail is 0 or >= 16 (tl.dot's minimum)."""
     main = 1 << (head_dim.bit_length() - 1)
     rest = head_dim - main
-    return max(main, 16), 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return max(main, 16), 0 if rest == 0 else max(16, next_power_of_2(rest))
 
 
 @triton.jit

@@ -1,9 +1,13 @@
-"""Paged decode attention: split-K flash-decoding in two launches.
+"""Paged decode attention: split-K flash-decoding, in one launch or two.
 
-Stage 1: program (sequence, KV head x query-head block, split) scores a slice
-of the context against every query head of that KV head at once (the head
-group is padded to >= 16 rows for tl.dot) and writes a normalised partial
-output and its log-sum-exp. Stage 2 merges the splits. The number of splits
+Program (sequence, KV head x query-head block, split) scores a slice of the
+context against every query head of that KV head at once (the head group is
+padded to >= 16 rows for tl.dot). With one split (batches whose programs fill
+the GPU) it writes the output itself: one launch. With several it writes a
+normalised partial output and its log-sum-exp, and the splits are merged
+either by a second launch (a program per sequence and head) or, with
+``fused_merge``, by the last split of each (sequence, head block) to arrive
+(``semaphores.arrive_last``): one launch. The number of splits
 comes from host ints only (batch, heads, block-table width, SM count), never
 from ``context_lens``, so the launch is CUDA-graph safe; each program sizes
 its slice from its sequence's context length on the device, so a short
@@ -21,8 +25,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 _LOG2E = 1.4426950408889634
+# several splits merged by the last split to arrive (one launch) instead of by a merge launch: off
+# until the H200 measures it faster (scripts/bench_kernels.py times both)
+FUSED_MERGE = False
+WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the split kernel's result
 
 
 @triton.jit
@@ -33,12 +43,15 @@ def _split_tokens(context, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale_log2,
-                         num_heads, group, head_blocks, q_stride0, q_stride1,
+def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+                         counters_ptr, scale_log2, num_heads, group, head_blocks, q_stride0, q_stride1, qr_stride0,
+                         qr_stride1,
                          k_stride0, k_stride1, k_stride2, v_stride0, v_stride1, v_stride2, table_stride,
+                         out_stride0, out_stride1,
                          HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr):
+                         BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
+                         RESULT: tl.constexpr, BLOCK_S: tl.constexpr, SEPARATE_ROPE: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // head_blocks
     num_splits = tl.num_programs(2)
@@ -46,7 +59,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
     g = (tl.program_id(1) % head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < group
     heads = kv_head * group + g
-    q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+    if SEPARATE_ROPE:  # q holds the main block's channels, qr the tail's (MLA: latent | rope, never concatenated)
+        q_main, _ = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, BLOCK_D, BLOCK_D, 0)
+        q_tail, _ = load_q(qr_ptr, seq * qr_stride0 + heads * qr_stride1, g_mask, HEAD_DIM - BLOCK_D, BLOCK_TAIL, 0)
+    else:
+        q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
 
     context = tl.load(lens_ptr + seq)
     split_tokens = _split_tokens(context, num_splits, BLOCK_N)
@@ -69,24 +86,33 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr
             v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :], other=0.0)
         m, denom, acc = online_softmax_step(scores, valid[None, :], m, denom, acc, v, scale_log2)
 
-    # a split past the end of its context writes nothing: the merge reads only the active splits
-    active = g_mask & (start < context)
-    lse = m + tl.log2(tl.where(denom > 0, denom, 1.0))
-    part = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
-    tl.store(part_lse_ptr + rows, lse, mask=active)
-    tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part, mask=active[:, None] & (dv < V_DIM)[None, :])
+    part = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # no token (context 0): acc is 0, the row is 0
+    if RESULT == WRITE_OUT:  # the only split: the output itself
+        tl.store(out_ptr + seq * out_stride0 + heads[:, None] * out_stride1 + dv[None, :],
+                 part.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (dv < V_DIM)[None, :])
+    else:
+        # a split past the end of its context writes nothing: the merge reads only the active splits
+        active = g_mask & (start < context)
+        lse = m + tl.log2(tl.where(denom > 0, denom, 1.0))
+        rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
+        tl.store(part_lse_ptr + rows, lse, mask=active)
+        tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part,
+                 mask=active[:, None] & (dv < V_DIM)[None, :])
+        if RESULT == MERGE_IN_LAST:
+            if arrive_last(counters_ptr + seq * tl.num_programs(1) + tl.program_id(1), num_splits):
+                first = kv_head * group + (tl.program_id(1) % head_blocks) * BLOCK_G
+                for head in range(first, first + tl.minimum(BLOCK_G, kv_head * group + group - first)):
+                    _merge_splits(part_out_ptr, part_lse_ptr, seq, head, num_heads, context, num_splits,
+                                  out_ptr + seq * out_stride0 + head * out_stride1, V_DIM, BLOCK_DV, BLOCK_S, BLOCK_N)
 
 
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_splits, out_stride0, out_stride1,
-                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+def _merge_splits(part_out_ptr, part_lse_ptr, seq, head, num_heads, context, num_splits, out_row_ptr,
+                  V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     """Merge the active splits of one (sequence, head) (those the split kernel gave tokens: the
-    same slicing of the context), BLOCK_S splits per vectorised step."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    row = seq * tl.num_programs(1) + head
-    context = tl.load(lens_ptr + seq)
+    same slicing of the context), BLOCK_S splits per vectorised step, into ``out_row_ptr``. Parts
+    are read from L2 (``.cg``): in the one-launch merge other programs wrote them."""
+    row = seq * num_heads + head
     num_active = tl.cdiv(context, tl.maximum(_split_tokens(context, num_splits, BLOCK_N), 1))
     dv = tl.arange(0, BLOCK_DV)
     s = tl.arange(0, BLOCK_S)
@@ -96,17 +122,26 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_spli
     for chunk in range(0, num_active, BLOCK_S):
         splits = chunk + s
         ok = splits < num_active
-        lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"))
+        lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * V_DIM + dv[None, :],
-                       mask=ok[:, None] & (dv < V_DIM)[None, :], other=0.0)
+                       mask=ok[:, None] & (dv < V_DIM)[None, :], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
         acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
         weight_sum = weight_sum * alpha + tl.sum(w, axis=0)
         m = m_new
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)  # no split had a token: acc is 0, the row is 0
-    tl.store(out_ptr + seq * out_stride0 + head * out_stride1 + dv, out.to(out_ptr.dtype.element_ty),
-             mask=dv < V_DIM)
+    tl.store(out_row_ptr + dv, out.to(out_row_ptr.dtype.element_ty), mask=dv < V_DIM)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, num_splits, out_stride0, out_stride1,
+                         V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The second launch: program (sequence, head) merges that head's splits."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    _merge_splits(part_out_ptr, part_lse_ptr, seq, head, tl.num_programs(1), tl.load(lens_ptr + seq), num_splits,
+                  out_ptr + seq * out_stride0 + head * out_stride1, V_DIM, BLOCK_DV, BLOCK_S, BLOCK_N)
 
 
 @functools.cache
@@ -116,39 +151,54 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
-                           v_head_dim: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
+                           num_splits: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
-    SM count) sets how many slices of each sequence's context run in parallel."""
-    batch, num_heads, head_dim = q.shape
+    SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
+    (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
+    of a second launch. One split never needs a merge. ``q_rope`` is read in place when ``q``
+    fills the head dim's main block exactly (MLA: 512 | 64), else concatenated first."""
+    head_dim = k_cache.shape[3]
+    block_d, block_tail = head_dim_blocks(head_dim)
+    if q_rope is not None and (q.shape[2] != block_d or q_rope.stride(-1) != 1):
+        q, q_rope = torch.cat([q, q_rope], dim=-1), None
+    batch, num_heads, _ = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     v_dim = v_head_dim if v_cache is None else v_cache.shape[3]
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or (v_cache is not None and v_cache.stride(-1) != 1):
         raise ValueError("paged_decode_attention: q and caches need a contiguous last dim")
     values = k_cache if v_cache is None else v_cache
     group = num_heads // num_kv_heads
-    block_d, block_tail = head_dim_blocks(head_dim)
-    block_dv = max(16, triton.next_power_of_2(v_dim))
+    block_dv = max(16, next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
-    block_g = min(max(16, triton.next_power_of_2(group)), 16 if wide else 64)
+    block_g = min(max(16, next_power_of_2(group)), 16 if wide else 64)
     block_n = 32 if wide else 64
-    head_blocks = triton.cdiv(group, block_g)
+    head_blocks = cdiv(group, block_g)
     capacity = block_tables.shape[1] * page
+    programs = batch * num_kv_heads * head_blocks
     if num_splits is None:
-        programs = batch * num_kv_heads * head_blocks
-        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), triton.cdiv(capacity, block_n)))
+        num_splits = max(1, min(cdiv(2 * _num_sms(q.device), programs), cdiv(capacity, block_n)))
+    fused = FUSED_MERGE if fused_merge is None else fused_merge
+    result = (WRITE_OUT if num_splits == 1 else MERGE_IN_LAST if fused else WRITE_PARTS).value  # a plain int
 
-    part_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    part_out = part_lse = out  # unused with one split: any pointer serves
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST.value else context_lens
+    block_s = max(1, min(next_power_of_2(num_splits), 4096 // block_dv))
+    rope = q if q_rope is None else q_rope
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
-        q, k_cache, values, block_tables, context_lens, part_out, part_lse, softmax_scale * _LOG2E,
-        num_heads, group, head_blocks, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *values.stride()[:3], block_tables.stride(0),
+        q, rope, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters,
+        softmax_scale * _LOG2E, num_heads, group, head_blocks, q.stride(0), q.stride(1), rope.stride(0), rope.stride(1),
+        *k_cache.stride()[:3],
+        *values.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
-        num_warps=4, num_stages=2)
-    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // block_dv))
-    _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
-                                             out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
-                                             BLOCK_N=block_n)
+        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=2)
+    if result == WRITE_PARTS.value:
+        _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
+                                                 out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
+                                                 BLOCK_N=block_n)
     return out

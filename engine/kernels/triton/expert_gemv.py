@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import cdiv
+
 
 @triton.jit
 def _expert_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, n_out, k_dim, experts_per_row, x_stride, w_stride_e,
@@ -44,7 +46,7 @@ def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ids = expert_ids.contiguous()
     out = torch.empty(tokens, experts_per_row, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 256
-    _expert_gemv_kernel[(tokens * experts_per_row, triton.cdiv(n_out, block_n))](
+    _expert_gemv_kernel[(tokens * experts_per_row, cdiv(n_out, block_n))](
         x, weights, ids, out, n_out, k_dim, experts_per_row, x.stride(0), weights.stride(0), weights.stride(1),
         out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

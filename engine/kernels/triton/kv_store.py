@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
+
 _ELEMENTS_PER_PROGRAM = 4096
 
 
@@ -47,9 +49,9 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch
     k = _rows(key, k_cache, "key")
     v = _rows(value, v_cache, "value") if value is not None else k
     num_tokens, num_heads, head_dim = k.shape
-    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v.shape[2])
+    block_d, block_dv = next_power_of_2(head_dim), next_power_of_2(v.shape[2])
     rows = max(1, _ELEMENTS_PER_PROGRAM // max(block_d, block_dv))
-    _store_kernel[(triton.cdiv(num_tokens, rows), num_heads)](
+    _store_kernel[(cdiv(num_tokens, rows), num_heads)](
         k, v, k_cache, v_cache if value is not None else k_cache, slot_mapping, num_tokens, num_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEAD_DIM=head_dim, V_DIM=v.shape[2], ROWS=rows, BLOCK_D=block_d, BLOCK_DV=block_dv,

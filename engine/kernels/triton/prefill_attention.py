@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 
@@ -72,10 +73,10 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     head_dim, v_dim = q.shape[2], v.shape[2]
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype, device=q.device)
     block_d, block_tail = head_dim_blocks(head_dim)
-    block_dv = max(16, triton.next_power_of_2(v_dim))
+    block_dv = max(16, next_power_of_2(v_dim))
     block_m = 64
     block_n = 64 if (block_d + block_tail + block_dv) * q.element_size() <= 512 else 32
-    grid = (triton.cdiv(max_seqlen_q, block_m), cu_seqlens_q.shape[0] - 1, q.shape[1])
+    grid = (cdiv(max_seqlen_q, block_m), cu_seqlens_q.shape[0] - 1, q.shape[1])
     _varlen_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, q.shape[1] // k.shape[1],
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          out.stride(0), out.stride(1),

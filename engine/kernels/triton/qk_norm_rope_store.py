@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
+
 
 @triton.jit
 def _norm_rope_heads(x_ptr, w_ptr, token, heads, num_heads, stride0, stride1, cos, sin, pair, eps,
@@ -75,10 +77,10 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         raise ValueError("qk_norm_rope_store: head_dim must be twice a power of two, rows contiguous in the last dim")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != k.dtype:
         raise ValueError("qk_norm_rope_store: caches must be contiguous and in the key dtype")
-    block_heads = min(16, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
-    q_head_blocks = triton.cdiv(num_q_heads, block_heads)
+    block_heads = min(16, next_power_of_2(max(num_q_heads, num_kv_heads)))
+    q_head_blocks = cdiv(num_q_heads, block_heads)
     has_norm = q_weight is not None
-    _qk_norm_rope_store_kernel[(tokens, q_head_blocks + triton.cdiv(num_kv_heads, block_heads))](
+    _qk_norm_rope_store_kernel[(tokens, q_head_blocks + cdiv(num_kv_heads, block_heads))](
         positions, q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin_cache, k_cache, v_cache,
         slot_mapping, eps, num_q_heads, num_kv_heads, q_head_blocks, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.host_math import cdiv, next_power_of_2
+
 
 @triton.jit
 def _rotate_heads(x_ptr, token, heads, num_heads, stride0, stride1, cos, sin, first, second, pair_mask):
@@ -75,10 +77,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     q = _heads_view(query, head_size)
     k = _heads_view(key, head_size) if key is not None else q[:, :0]
     half = cos_sin_cache.shape[1] // 2
-    block_heads = min(16, triton.next_power_of_2(max(q.shape[1], k.shape[1])))
-    q_head_blocks = triton.cdiv(q.shape[1], block_heads)
-    grid = (q.shape[0], q_head_blocks + triton.cdiv(k.shape[1], block_heads))
+    block_heads = min(16, next_power_of_2(max(q.shape[1], k.shape[1])))
+    q_head_blocks = cdiv(q.shape[1], block_heads)
+    grid = (q.shape[0], q_head_blocks + cdiv(k.shape[1], block_heads))
     _rotary_kernel[grid](positions, q, k, cos_sin_cache, q.shape[1], k.shape[1], q_head_blocks,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-                         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HEADS=block_heads,
+                         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HEADS=block_heads,
                          IS_NEOX=is_neox)

@@ -1,0 +1,106 @@
+"""``scripts/record_benchmarks.py``: benchmark reports -> named figures in benchmarks.json.
+
+A latency report measured here (tiny preset, CPU) maps to its names with a command that
+parses back to the same settings; CPU reports are refused by the command line; a full-scale
+short report (host A's recorded figures, ``recorded_hosts.json``, in the shape ``run_short``
+reports) and a floors report merge into an existing file, keeping its other figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.__main__ import main as engine_main
+from engine.bench import add_bench_command
+from engine.bench.short import FULL, RAW_FIGURES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import record_benchmarks  # noqa: E402
+
+RECORDED = json.loads(Path(__file__).with_name("recorded_hosts.json").read_text())["hosts"]
+MACHINE = {"device": "NVIDIA H200", "time": "2026-11-29T23:17:44+0000", "host": "vm"}
+
+
+@pytest.fixture(scope="module")
+def latency_report(tmp_path_factory) -> tuple[Path, dict]:
+    """A real ``bench latency`` report of the tiny Qwen3 preset, eager, on the CPU."""
+    path = tmp_path_factory.mktemp("bench") / "latency.json"
+    assert engine_main(["bench", "latency", "--preset", "tiny-qwen3", "--random-weights", "--enforce-eager",
+                        "--max-model-len", "64", "--prompt-lens", "16", "--repeats", "1", "--decode-tokens", "4",
+                        "--decode-prompt-len", "8", "--split-steps", "2", "--output", str(path)]) == 0
+    return path, json.loads(path.read_text())
+
+
+def test_a_latency_report_maps_to_named_figures_with_a_command_that_reproduces_it(latency_report):
+    _, report = latency_report
+    figures = record_benchmarks.figures_of(report)
+    assert sorted(figures) == ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s"]
+    decode, prefill = figures["tiny_qwen3_b1_eager_tok_s"], figures["tiny_qwen3_prefill_16_tok_s"]
+    assert (decode["value"], decode["unit"]) == (report["decode"]["tok_s"], "tok/s")
+    (ttft,) = report["ttft"]
+    assert prefill["value"] == pytest.approx(16 / (ttft["ms"] / 1e3))
+    for figure in figures.values():
+        assert (figure["date"], figure["device"]) == (report["machine"]["time"], report["machine"]["device"])
+    words = shlex.split(decode["command"])
+    assert words[:5] == ["python", "-m", "engine", "bench", "latency"]
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    settings = {k: v for k, v in vars(parser.parse_args(words[3:])).items() if k not in ("run", "command")}
+    assert settings == report["settings"]
+
+
+def test_cpu_reports_are_refused_and_nothing_is_written(latency_report, tmp_path):
+    path, _ = latency_report
+    into = tmp_path / "benchmarks.json"
+    with pytest.raises(SystemExit):
+        record_benchmarks.main([str(path), "--into", str(into)])
+    assert not into.exists()
+
+
+def short_report() -> dict:
+    """The full-scale short benchmark's report as ``run_short`` shapes it, with host A's recorded figures."""
+    raw = RECORDED["two-gpu host, 2026-11-29"]["raw_figures"]
+    return {"bench": "short", "command": "python -m engine.bench.short --output short.json", "machine": MACHINE,
+            "scale": {"name": "full", "qwen3": FULL.qwen3, "deepseek": FULL.deepseek, "prefill_len": FULL.prefill_len},
+            "raw_figures": {name: {"value": value, "unit": RAW_FIGURES[name][0],
+                                   "higher_is_better": RAW_FIGURES[name][1]} for name, value in raw.items()}}
+
+
+def test_gpu_reports_merge_into_benchmarks_json(tmp_path):
+    floors = {"bench": "floors", "command": "python scripts/bench_floors.py --json floors.json", "machine": MACHINE,
+              "preset": "qwen3-8b", "copy_gb_s": 4250.0, "copy_floor_tok_s": 259.4, "prefill_gemm_tok_s": 48989.0,
+              "gemm_tflops": 680.0, "matmul_chain_tok_s": 236.0}
+    paths = []
+    for name, report in (("short", short_report()), ("floors", floors)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    into = tmp_path / "benchmarks.json"
+    kept = {"value": 1.0, "unit": "x", "command": "c", "date": "d", "device": "g", "peer": {}}
+    into.write_text(json.dumps({"figures": {"older_figure": kept}}))
+    assert record_benchmarks.main([*map(str, paths), "--into", str(into)]) == 0
+    figures = json.loads(into.read_text())["figures"]
+    raw = RECORDED["two-gpu host, 2026-11-29"]["raw_figures"]
+    assert figures["older_figure"] == kept
+    assert figures["qwen3_8b_b1_graphs_tok_s"]["value"] == raw["qwen3_decode_b1_tok_s"]
+    assert figures["qwen3_8b_b1_graphs_tok_s"]["peer"] == {"matmul_chain_tok_s": raw["matmul_chain_tok_s"]}
+    assert figures["qwen3_8b_b1_eager_tok_s"]["value"] == raw["qwen3_eager_decode_b1_tok_s"]
+    assert figures["qwen3_8b_prefill_4096_tok_s"]["value"] == raw["qwen3_prefill_tok_s"]
+    assert figures["dsv2_lite_b1_graphs_tok_s"]["value"] == raw["deepseek_decode_b1_tok_s"]
+    # the floors report came last: its chain replaces the short run's, with its own command and peers
+    chain = figures["qwen3_8b_matmul_chain_tok_s"]
+    assert (chain["value"], chain["command"], chain["peer"]["copy_gb_s"]) == (236.0, floors["command"], 4250.0)
+    assert figures["qwen3_8b_b1_graphs_tok_s"]["command"] == "python -m engine.bench.short --output short.json"
+    assert {figure["device"] for figure in figures.values()} == {"NVIDIA H200", "g"}
+    assert set(kept) <= set(chain) and chain["date"] == MACHINE["time"]
+
+
+def test_a_throughput_run_off_nano_vllms_shape_has_no_headline_name():
+    report = {"bench": "throughput", "machine": MACHINE, "model": {"source": "preset qwen3-8b"},
+              "settings": {"num_seqs": 64, "min_len": 100, "max_len": 1024}, "throughput": {"output_tok_s": 1.0}}
+    with pytest.raises(ValueError, match="nano-vllm's shape"):
+        record_benchmarks.figures_of(report)

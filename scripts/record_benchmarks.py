@@ -1,0 +1,167 @@
+"""Record the GPU figures of benchmark reports in ``benchmarks.json`` (the repository's figures,
+written from the benchmarks' JSON, never typed in).
+
+    python scripts/record_benchmarks.py REPORT.json [REPORT.json ...] [--into benchmarks.json]
+
+Each report is the JSON of ``python -m engine bench latency | throughput``, of
+``python -m engine.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
+mapped to the project's names (``figures_of``), each stored as ``{"value", "unit", "command",
+"date", "device", "peer", "from"}``: the command that reproduces it, the report's date and
+device, the peers measured in the same run (transformers, floors), and the report field it was
+read from. Figures already in the file and not in these reports are kept. Reports measured on a
+CPU are refused: benchmarks.json holds GPU figures only.
+
+Names: ``<model>_b1_graphs_tok_s`` / ``_b1_eager_tok_s`` (B=1 decode), ``<model>_prefill_<N>_tok_s``
+(one N-token prompt: N / TTFT), ``<model>_matmul_chain_tok_s`` (the cuBLAS floor),
+``<model>_throughput_out_tok_s`` and ``_throughput_gpu_busy_pct`` (nano-vllm's shape only: 256
+sequences, lengths 100-1024; busy = NVML utilisation, mean over the run), with ``<model>`` the
+preset: ``qwen3_8b``, ``dsv2_lite``, ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL_NAMES = {"deepseek-v2-lite": "dsv2_lite"}
+NANO_VLLM_SHAPE = {"num_seqs": 256, "min_len": 100, "max_len": 1024}
+
+
+def model_name(preset: str) -> str:
+    """The figure-name prefix of a preset: qwen3-8b -> qwen3_8b, deepseek-v2-lite -> dsv2_lite."""
+    return MODEL_NAMES.get(preset, re.sub(r"[^0-9a-z]+", "_", preset.lower()))
+
+
+def bench_command(report: dict) -> str:
+    """The ``python -m engine bench MODE ...`` command line of a bench report: every setting that
+    differs from the parser's default, as its option (``--name-with-dashes``, as every bench
+    option is spelt)."""
+    from engine.bench import add_bench_command
+
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    defaults = vars(parser.parse_args(["bench", report["bench"]]))
+    words = ["python", "-m", "engine", "bench", report["bench"]]
+    for dest, value in report["settings"].items():
+        if dest == "mode" or value == defaults.get(dest):
+            continue
+        option = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(option)
+        else:
+            words += [option, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return shlex.join(words)
+
+
+def _preset(report: dict) -> str:
+    source = report["model"]["source"]
+    if not source.startswith("preset "):
+        raise ValueError(f"the report's model is {source!r}: only presets have names in benchmarks.json")
+    return source.removeprefix("preset ")
+
+
+def _figure(value: float, unit: str, source: str, peer: dict | None = None) -> dict:
+    return {"value": value, "unit": unit, "peer": peer or {}, "from": source}
+
+
+def _latency(report: dict) -> dict:
+    model = model_name(_preset(report))
+    mode = "eager" if report["settings"]["enforce_eager"] else "graphs"
+    peer = {f"transformers_{name}_tok_s": run["tok_s"] for name, run in report.get("compare_hf", {}).items()
+            if isinstance(run, dict) and "tok_s" in run}
+    figures = {f"{model}_b1_{mode}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
+    for ttft in report["ttft"]:
+        figures[f"{model}_prefill_{ttft['prompt_len']}_tok_s"] = _figure(
+            ttft["prompt_len"] / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={ttft['prompt_len']}]: prompt_len / ms")
+    return figures
+
+
+def _throughput(report: dict) -> dict:
+    shape = {k: report["settings"][k] for k in NANO_VLLM_SHAPE}
+    if shape != NANO_VLLM_SHAPE:
+        raise ValueError(f"throughput names are for nano-vllm's shape {NANO_VLLM_SHAPE}; this run is {shape}")
+    model = model_name(_preset(report))
+    peer = report.get("compare_hf", {}).get("ratios", {})
+    figures = {f"{model}_throughput_out_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
+                                                        "throughput.output_tok_s", peer)}
+    devices = report.get("gpu_monitor", {}).get("devices")
+    if devices:
+        figures[f"{model}_throughput_gpu_busy_pct"] = _figure(devices[0]["util_pct_mean"], "%",
+                                                              "gpu_monitor.devices[0].util_pct_mean (NVML)")
+    return figures
+
+
+def _short(report: dict) -> dict:
+    scale = report["scale"]
+    if scale["name"] != "full":
+        raise ValueError(f"a {scale['name']} short benchmark has no H200 figures")
+    raw = {name: figure["value"] for name, figure in report["raw_figures"].items()}
+    qwen3, deepseek = model_name(scale["qwen3"]), model_name(scale["deepseek"])
+    chain = {"matmul_chain_tok_s": raw["matmul_chain_tok_s"]} if "matmul_chain_tok_s" in raw else {}
+    mapping = {  # raw figure: (name, peer)
+        "qwen3_decode_b1_tok_s": (f"{qwen3}_b1_graphs_tok_s", chain),
+        "qwen3_eager_decode_b1_tok_s": (f"{qwen3}_b1_eager_tok_s", {"host_ref_us": raw.get("host_ref_us")}),
+        "qwen3_prefill_tok_s": (f"{qwen3}_prefill_{scale['prefill_len']}_tok_s",
+                                {"prefill_gemm_tok_s": raw.get("prefill_gemm_tok_s")}),
+        "matmul_chain_tok_s": (f"{qwen3}_matmul_chain_tok_s", {"copy_gb_s": raw.get("copy_gb_s")}),
+        "deepseek_decode_b1_tok_s": (f"{deepseek}_b1_graphs_tok_s", chain),
+    }
+    return {name: _figure(raw[figure], report["raw_figures"][figure]["unit"], f"raw_figures.{figure}",
+                          {k: v for k, v in peer.items() if v is not None})
+            for figure, (name, peer) in mapping.items() if figure in raw}
+
+
+def _floors(report: dict) -> dict:
+    peer = {k: report[k] for k in ("copy_gb_s", "copy_floor_tok_s", "prefill_gemm_tok_s", "gemm_tflops")}
+    return {f"{model_name(report['preset'])}_matmul_chain_tok_s": _figure(report["matmul_chain_tok_s"], "tok/s",
+                                                                         "matmul_chain_tok_s", peer)}
+
+
+MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors}
+
+
+def figures_of(report: dict) -> dict:
+    """The named figures of one report, each with its command, date, device and peers."""
+    kind = report.get("bench")
+    if kind not in MAPPERS:
+        raise ValueError(f"not a report this script reads (bench = {kind!r}; expected one of {', '.join(MAPPERS)})")
+    command = report.get("command") or bench_command(report)
+    machine = report["machine"]
+    return {name: {**figure, "command": command, "date": machine["time"], "device": machine["device"]}
+            for name, figure in MAPPERS[kind](report).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reports", nargs="+", metavar="REPORT.json")
+    parser.add_argument("--into", default=str(Path(__file__).resolve().parents[1] / "benchmarks.json"),
+                        help="the file to update (default: benchmarks.json at the repository root)")
+    args = parser.parse_args(argv)
+    recorded = {}
+    for path in args.reports:
+        report = json.loads(Path(path).read_text())
+        device = report.get("machine", {}).get("device", "")
+        if device.startswith("cpu"):
+            parser.error(f"{path} was measured on {device}: benchmarks.json holds GPU figures only")
+        try:
+            recorded.update(figures_of(report))
+        except (KeyError, ValueError) as e:
+            parser.error(f"{path}: {e}")
+    into = Path(args.into)
+    data = json.loads(into.read_text()) if into.is_file() else {"figures": {}}
+    data["figures"].update(recorded)
+    data["figures"] = dict(sorted(data["figures"].items()))
+    into.write_text(json.dumps(data, indent=1) + "\n")
+    for name, figure in recorded.items():
+        print(f"{name:<36} {figure['value']:>12.4g} {figure['unit']:<6} {figure['device']} {figure['date']}")
+    print(f"wrote {len(recorded)} figure(s) to {into}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
