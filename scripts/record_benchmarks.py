@@ -39,16 +39,22 @@ def model_name(preset: str) -> str:
 
 def bench_command(report: dict) -> str:
     """The ``python -m engine bench MODE ...`` command line of a bench report: every setting that
-    differs from the parser's default, as its option (``--name-with-dashes``, as every bench
-    option is spelt)."""
+    differs from the parser's default, as its option (the engine's through EngineArgs, whose
+    flags may be negative, ``--no-overlap``; the rest as ``--name-with-dashes``)."""
+    from dataclasses import fields
+
     from engine.bench import add_bench_command
+    from engine.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser()
     add_bench_command(parser.add_subparsers(dest="command"))
     defaults = vars(parser.parse_args(["bench", report["bench"]]))
+    settings = report["settings"]
+    engine_fields = {f.name for f in fields(EngineArgs)}
     words = ["python", "-m", "engine", "bench", report["bench"]]
-    for dest, value in report["settings"].items():
-        if dest == "mode" or value == defaults.get(dest):
+    words += EngineArgs(**{k: v for k, v in settings.items() if k in engine_fields}).to_cli_args()
+    for dest, value in settings.items():
+        if dest == "mode" or dest in engine_fields or value == defaults.get(dest):
             continue
         option = "--" + dest.replace("_", "-")
         if value is True:

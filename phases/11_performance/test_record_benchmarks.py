@@ -28,9 +28,10 @@ MACHINE = {"device": "NVIDIA H200", "time": "2026-11-29T23:17:44+0000", "host": 
 
 @pytest.fixture(scope="module")
 def latency_report(tmp_path_factory) -> tuple[Path, dict]:
-    """A real ``bench latency`` report of the tiny Qwen3 preset, eager, on the CPU."""
+    """A real ``bench latency`` report of the tiny Qwen3 preset, eager, synchronous steps, on the CPU."""
     path = tmp_path_factory.mktemp("bench") / "latency.json"
     assert engine_main(["bench", "latency", "--preset", "tiny-qwen3", "--random-weights", "--enforce-eager",
+                        "--no-overlap",
                         "--max-model-len", "64", "--prompt-lens", "16", "--repeats", "1", "--decode-tokens", "4",
                         "--decode-prompt-len", "8", "--split-steps", "2", "--output", str(path)]) == 0
     return path, json.loads(path.read_text())
