@@ -8,6 +8,7 @@ layers read it with `get_context`, so model forwards stay
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,23 +35,22 @@ class AttentionContext:
     num_decode_tokens: int = 0                 # prefill steps: leading decode rows (a mixed step)
 
 
-_CONTEXT: AttentionContext | None = None
+_current = threading.local()  # per thread: engines in several threads of one process each run their own steps
 
 
 def set_context(ctx: AttentionContext) -> None:
-    global _CONTEXT
-    _CONTEXT = ctx
+    _current.ctx = ctx
 
 
 def get_context() -> AttentionContext:
-    if _CONTEXT is None:
+    ctx = getattr(_current, "ctx", None)
+    if ctx is None:
         raise RuntimeError("no attention context is set: the runner must call set_context() before a forward")
-    return _CONTEXT
+    return ctx
 
 
 def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = None
+    _current.ctx = None
 
 
 def _slots(block_table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,8 @@ BACKENDS = ("tp", *FORCED_CLASSES, "hf")
 class RequestOutput:
     """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
     None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
-    says why). ``logprobs`` (when the request asked for them): per output token, its logprob
-    and the [(token id, logprob)] of the most likely tokens."""
+    says why). ``logprobs`` (when the request asked for them): per output token, (its id, its
+    logprob, the [(token id, logprob)] of the most likely tokens)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -53,7 +53,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     reject_reason: str | None = None
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 def _model_class(config: ModelConfig, backend: str) -> type | None:
@@ -373,7 +373,7 @@ class LLMEngine:
             for entry, item in logprobs.items():
                 seq = launched.batch.seqs[entry]
                 if id(seq) in appended:
-                    self.outputs.add_logprobs(seq.request_id, item)
+                    self.outputs.add_logprobs(seq.request_id, (seq.output_token_ids[-1], *item))
         for seq in self.outputs.process(result.appended):  # a stop string matched
             self.scheduler.finish(seq.request_id, "stop")
             self._finished_unreported.append(seq.request_id)

@@ -33,12 +33,12 @@ class OutputProcessor:
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
 
-    def add_logprobs(self, request_id: str, item: tuple[float, list[tuple[int, float]]]) -> None:
-        """The logprobs of the token just appended (its own, and the most likely tokens')."""
+    def add_logprobs(self, request_id: str, item: tuple[int, float, list[tuple[int, float]]]) -> None:
+        """The logprobs of the token just appended: (its id, its logprob, the most likely tokens')."""
         self._logprobs[request_id].append(item)
 
     def logprobs(self, request_id: str) -> list | None:
-        """Per output token (its logprob, [(token id, logprob)]), or None when not asked for."""
+        """Per output token (its id, its logprob, [(token id, logprob)]), or None when not asked for."""
         items = self._logprobs.get(request_id)
         return None if items is None else list(items)
 

@@ -108,7 +108,8 @@ def test_logprobs_are_the_models_log_softmax(checkpoint, hf):
         if n is None:
             continue
         assert len(out.logprobs) == len(out.token_ids)
-        for i, (token, (chosen, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+        for i, (token, (logprob_token, chosen, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert logprob_token == token
             expected = next_logits(hf, prompt + out.token_ids[:i]).log_softmax(-1)
             assert chosen == pytest.approx(float(expected[token]), abs=1e-4)
             values, best = expected.topk(n)
