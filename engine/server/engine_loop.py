@@ -15,8 +15,9 @@ Error policy: in one process a step that raises fails the requests of the steps 
 error answer each; the engine goes on). Under TP it is fatal: the rank that raised missed its
 peers' collectives, so the loop ends without sending anything more (a stop message could meet a
 peer waiting in another collective), every stream gets the error, and the process exits; the
-peers' next collective fails or torchrun stops them. ``health()`` reports a loop that has ended,
-is draining, or has not finished an iteration for ``STALL_S`` while it has work (a peer gone).
+peers' next collective fails or torchrun stops them. A failure outside a step still sends the
+stop (the peers wait for the next header) and ends the streams as aborted (503). ``health()``
+reports a loop that has ended, is draining, or is in a step older than ``STALL_S`` (a peer gone).
 """
 from __future__ import annotations
 
@@ -191,7 +192,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._closed: str | None = None  # why submissions are refused
         self._stop_sent = False
-        self._busy_since: float | None = None  # when the current iteration with work started
+        self._busy_since: float | None = None  # when the current step started (None: not stepping)
+        self._failed_in_step = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @property
@@ -255,7 +257,8 @@ class EngineLoop:
             self._inbox.put(item)
 
     def _send_stop(self) -> None:
-        if not self._stop_sent and self.failure is None:
+        """The stop to the other ranks, unless a step failed (a peer may wait in another collective)."""
+        if not self._stop_sent and not self._failed_in_step:
             self._stop_sent = True
             _send_commands([], True)
 
@@ -287,14 +290,17 @@ class EngineLoop:
                 self.metrics.observe(engine)
         except BaseException as e:
             self.failure = e
+            self._failed_in_step = self._busy_since is not None
             log.exception("the engine loop failed; stopping the server")
         finally:
             try:
                 self._send_stop()
             except Exception:
                 log.exception("could not send the stop to the other ranks")
-            self._close("the server is shutting down" if self.failure is None
-                        else f"the engine failed: {type(self.failure).__name__}: {self.failure}")
+            if self._failed_in_step:
+                self._close(f"the engine failed: {type(self.failure).__name__}: {self.failure}", "error")
+            else:
+                self._close("the server is shutting down" if self.failure is None else "the engine loop failed")
             if self.on_exit is not None:
                 try:
                     self.on_exit()
@@ -356,12 +362,11 @@ class EngineLoop:
             elif update.text or new_tokens > 0 or update.logprobs:
                 stream.post(update.text, update.num_tokens, update.logprobs)
 
-    def _close(self, reason: str) -> None:
-        """No more submissions; every stream still waiting ends as "abort" (or "error" when the
-        loop failed) with ``reason``."""
+    def _close(self, reason: str, finish: str = "abort") -> None:
+        """No more submissions; every stream still waiting ends as ``finish`` ("abort", or "error"
+        when a step failed: the engine's state is lost) with ``reason``."""
         self.drain(reason)
-        finish = "abort" if self.failure is None else "error"
-        if self.failure is None:
+        if not self._failed_in_step:
             for request_id in list(self._streams):
                 try:
                     self.engine.abort_request(request_id)

@@ -8,19 +8,27 @@ from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
-    ("max_tokens", 0), ("max_tokens", True), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
-    ("ignore_eos", 1), ("seed", -1), ("seed", 2**63), ("seed", 1.0),
+    ("temperature", -0.1), ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", -2), ("top_k", 2.5), ("top_k", 10**20),
+    ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 2**63), ("stop", [""]), ("stop", [3]),
+    ("stop", ["s"] * 17), ("stop", ["x" * 257]), ("stop_token_ids", [-1]), ("stop_token_ids", [2**40]),
+    ("stop_token_ids", list(range(65))), ("ignore_eos", 1), ("seed", -1), ("seed", 2**63), ("seed", 1.0),
+    ("min_tokens", -1), ("min_tokens", 17), ("presence_penalty", 2.5), ("frequency_penalty", float("-inf")),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 11), ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
+    """Every field is bounded where the request enters: a value the step could not hold (an int
+    past int64 or int32, a non-finite float, unbounded stop strings) is refused here, naming it."""
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**{field: value})
 
 
 def test_good_sampling_params_are_kept():
     params = SamplingParams(temperature=0.0, top_p=0.5, top_k=-1, max_tokens=3, stop="end",
-                            stop_token_ids=[2, 7], ignore_eos=True, seed=2**63 - 1)
+                            stop_token_ids=[2, 7], ignore_eos=True, seed=2**63 - 1, min_tokens=3,
+                            presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, logprobs=20)
     assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
+    assert params.penalized and not SamplingParams().penalized and SamplingParams(top_k=2**31 - 1).top_k
 
 
 def test_sequence_bookkeeping():
