@@ -39,7 +39,7 @@ def contract_title(root: Path, phase: str) -> str | None:
 
 def select(ids: list[str], only: list[str] | None, start: str | None) -> set[str]:
     """``--only`` (those phases) or ``--from`` (that phase and every later one)."""
-    unknown = sorted(set(only or []) | ({start} if start else set()) - set(ids))
+    unknown = sorted((set(only or []) | ({start} if start else set())) - set(ids))
     if unknown:
         raise GateError(f"unknown phase id(s) {', '.join(unknown)} (known: {', '.join(ids)})")
     return set(only) if only else {i for i in ids if int(i) >= int(start)}
