@@ -217,9 +217,9 @@ def cmd_exercise(root: Path, args) -> int:
     print(f"phase(s) {', '.join(sorted(phases))} handed out in {out}: {count} functions in {len(replaced)} "
           "modules now raise NotImplementedError")
     for path, names in replaced.items():
-        print(f"  {path}: {', '.join(names)}")
+        print(f"  {path}: {len(names)}")
     python = ".venv/bin/python" if (out / ".venv").exists() else shlex.quote(sys.executable)
-    print(f"next:\n  cd {shlex.quote(str(out))}\n  {python} -m gates run --upto {max(phases)}\n  "
+    print(f"next:\n  cd {shlex.quote(str(out))}\n  {python} -m gates run --upto {min(phases)}\n  "
           f"{python} -m gates next")
     return 0
 

@@ -4,6 +4,7 @@ The first test holds the repository to it; its message is the list of what to ch
 others check the rules on toy trees, one problem at a time."""
 from __future__ import annotations
 
+import ast
 import textwrap
 from pathlib import Path
 
@@ -128,6 +129,14 @@ def test_a_lower_phase_using_a_higher_one_breaks_the_layering(tmp_path, user, ex
     assert all("engine/high.py::top (phase 02) uses" not in p for p in found)  # 02 may use 01
 
 
+def test_an_import_read_only_in_annotations_is_no_reference(tmp_path):
+    root = tree(tmp_path, {"01": ["engine/low.py"], "02": ["engine/high.py"]},
+                {"engine/low.py": "from __future__ import annotations\n\nfrom engine.high import Top\n\n\n"
+                                  "def base(x: Top) -> Top:\n    return x\n",
+                 "engine/high.py": "class Top:\n    pass\n"}, depends={"02": ["01"]})
+    assert problems(root) == []
+
+
 def test_a_shared_module_is_checked_symbol_by_symbol(tmp_path):
     """One module, two owners: the class of phase 01 may not call the phase-02 function beside it;
     annotations and the module's constants are no references."""
@@ -167,3 +176,24 @@ def test_a_transitive_dependency_is_enough(tmp_path):
                  "engine/c.py": "from engine.a import a\n\n\ndef c():\n    return a()\n"},
                 depends={"02": ["01"], "03": ["02"]})
     assert problems(root) == []
+
+
+def test_every_planted_fault_lies_in_code_its_phase_stands_on():
+    """A mutation of the audit catalogue patches code owned by the phase that must catch it, or by
+    one it depends on (a phase cannot catch a fault in code its tests never reach)."""
+    from gates import audit
+    from gates.skeleton import function_nodes
+
+    gates = ownership.all_gates(ROOT)
+    own, closure = ownership.load(ROOT, gates), ownership.dependency_closure(gates)
+    wrong = []
+    for m in audit.load_catalogue(ROOT / "gates" / "mutations"):
+        for patch in m.patches:
+            source = (ROOT / patch.file).read_text()
+            line = source[:source.index(patch.find)].count("\n") + 1
+            around = [q for q, n in function_nodes(ast.parse(source)).items() if n.lineno <= line <= n.end_lineno]
+            symbol = max(around, key=len, default="")
+            owner = own.owner_of(patch.file, symbol)
+            if owner != m.phase and owner not in closure[m.phase]:
+                wrong.append(f"{m.id} (phase {m.phase}) patches {patch.file}::{symbol}, owned by phase {owner}")
+    assert not wrong, "\n".join(wrong)
