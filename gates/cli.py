@@ -205,7 +205,7 @@ def cmd_audit(root: Path, args, argv: list[str]) -> int:
 def cmd_next(root: Path, args) -> int:
     """Exit code 0 when every phase of the tree passed or was skipped, else 1."""
     advice = next_step.advise(root, report.read_report(args.report or root / "gate-report.json"))
-    print(json.dumps(advice, indent=1) if args.json else next_step.render(advice))
+    print(json.dumps(advice, indent=1, ensure_ascii=False) if args.json else next_step.render(advice))
     return 0 if advice["status"] == "pass" else 1
 
 

@@ -38,9 +38,10 @@ def advise(root: Path, report: dict) -> dict:
     skipped = {p["id"]: p["reason"] for p in report["phases"] if p["status"] == "SKIP"}
     if not todo:
         missing = sorted(set(phases) - set(seen))
-        if missing:
+        if missing:  # the phases after the ones run, or (some came before them) every phase
+            command = "python -m gates run" + (f" --from {missing[0]}" if missing[0] > max(seen) else "")
             return {"status": "not-run", "phase": missing[0], "not_run": missing, "skipped": skipped,
-                    "command": f"python -m gates run --from {missing[0]}"}
+                    "command": command}
         return {"status": "pass", "phase": None, "skipped": skipped, "command": None}
     failing = next((p for p in todo if p["status"] == "FAIL"), todo[0])
     pid = failing["id"]
