@@ -39,10 +39,6 @@ class Entry:
     path: str
     qualname: str
 
-    @property
-    def text(self) -> str:
-        return f"{self.path}::{self.qualname}" if self.qualname else self.path
-
 
 @dataclass
 class Module:
@@ -91,7 +87,6 @@ def engine_modules(root: Path) -> dict[str, Module]:
 class Ownership:
     """``owner[(module path, qualname)]``: "" is the module's own code (and, by default, all of it)."""
     modules: dict[str, Module]
-    entries: list[Entry]
     gate_paths: dict[str, str]                       # phase -> its gate.yaml, for messages
     owner: dict[tuple[str, str], str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -112,15 +107,6 @@ class Ownership:
             names = [q for q in module.functions() if self.owner_of(path, q) in phases]
             if names:
                 out[path] = names
-        return out
-
-    def units_of(self, phase: str) -> list[str]:
-        """What ``phase`` owns, as ``path`` / ``path::QualifiedName`` strings, module by module."""
-        out = []
-        for path, module in self.modules.items():
-            if self.owner.get((path, "")) == phase:
-                out.append(path)
-            out += [f"{path}::{q}" for (p, q), ph in self.owner.items() if p == path and q and ph == phase]
         return out
 
 
@@ -176,7 +162,7 @@ def load(root: Path, gates: dict[str, Gate]) -> Ownership:
     (phase id -> gate); ``problems`` lists entries that name nothing, are redundant or own a
     thing twice, and what no phase owns."""
     entries, gate_paths = _entries(root, gates)
-    own = Ownership(engine_modules(root), entries, gate_paths)
+    own = Ownership(engine_modules(root), gate_paths)
     valid = []
     for e in entries:
         why = _names_nothing(root, e, own.modules)

@@ -73,7 +73,6 @@ def test_the_most_specific_entry_owns(tmp_path):
     assert own.owner_of("engine/m.py", "A.g") == "03"
     assert own.owner_of("engine/sub/n.py") == "02"  # the directory entry
     assert own.functions_of({"01"}) == {"engine/m.py": ["A.f"]}
-    assert own.units_of("03") == ["engine/m.py", "engine/m.py::A.g"]
 
 
 @pytest.mark.parametrize("unlocks, expected", [
