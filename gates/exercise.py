@@ -3,8 +3,9 @@
 ``exercise(root, out, phases)`` copies the repository to ``out`` and replaces, in the copy,
 the body of every function and method the given phases own (``gates.ownership``) by
 ``raise NotImplementedError("phase NN: path::qualname — see blueprint/contracts.md#phase-NN")``;
-signatures, docstrings (the contracts), decorators, class attributes, module constants and
-imports stay, and so do the tests, the gates, the blueprint and every other phase. In the
+signatures, docstrings (the contracts), decorators, class attributes, module constants,
+imports and the functions a module calls while it is imported stay, and so do the tests, the
+gates, the blueprint and every other phase. In the
 copy ``python -m gates run`` then passes the phases before, fails the handed-out ones with
 their failure-mode hints, and blocks what depends on them.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from gates import ownership
 from gates.audit import COPY_IGNORE
 from gates.schema import GateError
-from gates.skeleton import skeletonize
+from gates.skeleton import import_time, skeletonize
 
 CONTRACTS = "blueprint/contracts.md"
 
@@ -47,7 +48,8 @@ def select(ids: list[str], only: list[str] | None, start: str | None) -> set[str
 
 def exercise(root: Path, out: Path, phases: set[str]) -> dict[str, list[str]]:
     """Write the copy at ``out`` (absent or empty, outside ``root``); returns module path ->
-    the functions replaced there. Refuses (GateError) while ownership or layering has problems,
+    the functions replaced there (not those the module runs while it is imported:
+    ``skeleton.import_time``). Refuses (GateError) while ownership or layering has problems,
     since the copy would then fail phases the handed-out ones do not reach."""
     gates = ownership.all_gates(root)
     own = ownership.load(root, gates)
@@ -64,10 +66,13 @@ def exercise(root: Path, out: Path, phases: set[str]) -> dict[str, list[str]]:
     shutil.copytree(root, out, ignore=COPY_IGNORE, symlinks=True, dirs_exist_ok=True)
     if (root / ".venv").exists():
         (out / ".venv").symlink_to((root / ".venv").resolve())
-    replaced = own.functions_of(phases)
-    for path, names in replaced.items():
+    replaced = {}
+    for path, names in own.functions_of(phases).items():
         file = out / path
+        kept = import_time(own.modules[path].tree)
         messages = {q: f"phase {own.owner_of(path, q)}: {path}::{q} — see {anchor(own.owner_of(path, q))}"
-                    for q in names}
-        file.write_text(skeletonize(file.read_text(), messages))
+                    for q in names if q not in kept}
+        if messages:
+            file.write_text(skeletonize(file.read_text(), messages))
+            replaced[path] = list(messages)
     return replaced

@@ -28,6 +28,44 @@ def function_nodes(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFun
     return found
 
 
+def import_time(tree: ast.Module) -> set[str]:
+    """Top-level functions the module calls while it is imported (from module-level code, class
+    bodies, decorators or default values; not under ``if __name__ == "__main__":``), and the ones
+    those call in turn: a skeleton of any of them would stop the module from importing, so they
+    keep their bodies."""
+    def called(roots, bodies: bool) -> set[str]:
+        found, todo = set(), list(roots)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.ClassDef, *FUNCTIONS)):  # a bare @name decorator is a call too
+                found |= {d.id for d in node.decorator_list if isinstance(d, ast.Name) and d.id in nodes}
+            if isinstance(node, (*FUNCTIONS, ast.Lambda)) and not bodies:  # only what runs at definition
+                todo += [*getattr(node, "decorator_list", []), *node.args.defaults,
+                         *(d for d in node.args.kw_defaults if d is not None)]
+                continue
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in nodes:
+                found.add(node.func.id)
+            todo += ast.iter_child_nodes(node)
+        return found
+
+    nodes = {n.name: n for n in tree.body if isinstance(n, FUNCTIONS)}
+    kept = called([n for n in tree.body if not _script_only(n)], bodies=False)
+    pending = set(kept)
+    while pending:
+        new = called(nodes[pending.pop()].body, bodies=True) - kept
+        kept |= new
+        pending |= new
+    return kept
+
+
+def _script_only(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``, which runs only when the module is run as a script."""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                                                   for c in test.comparators))
+
+
 def _docstring(node) -> bool:
     first = node.body[0]
     return isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)

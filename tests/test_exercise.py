@@ -18,7 +18,7 @@ from gate_trees import gate, write_phase
 from gates.cli import main
 from gates.exercise import exercise
 from gates.schema import GateError
-from gates.skeleton import raising, skeletonize
+from gates.skeleton import import_time, raising, skeletonize
 
 SOURCE = '''\
 """A module — with a non-ASCII docstring (ast columns count bytes: ²)."""
@@ -29,12 +29,26 @@ from dataclasses import dataclass, field
 LIMIT = 3  # a module constant
 
 
+def _tags(default):
+    """Called in a class body: runs at import, so a skeleton keeps it (and what it calls)."""
+    return field(default_factory=_copy(default))
+
+
+def _copy(items):
+    return lambda: list(items)
+
+
+def _registered(cls):
+    return cls
+
+
+@_registered
 @dataclass(frozen=True)
 class Box:
     """A frozen dataclass."""
 
     size: int
-    tags: list = field(default_factory=list)
+    tags: list = _tags([])
     unit = "cm"
 
     @property
@@ -62,8 +76,13 @@ def kept(a, b):
 async def later(x):
     """Awaited."""
     return x
+
+
+if __name__ == "__main__":
+    kept(1, 2)  # a script's call: not made at import
 '''
 REPLACED = ["Box.area", "Box.scale", "Box.only_a_docstring", "Box.Inner.deep", "later"]
+AT_IMPORT = {"_tags", "_copy", "_registered"}
 
 
 def message(q: str) -> str:
@@ -73,12 +92,14 @@ def message(q: str) -> str:
 def _structure(tree: ast.AST) -> str:
     """The module with every function body emptied: what a skeleton must keep."""
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in ("kept", "nested"):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in {"kept", "nested",
+                                                                                         *AT_IMPORT}:
             node.body = node.body[:1] if ast.get_docstring(node) is not None else []
     return ast.dump(tree)
 
 
 def test_a_skeleton_keeps_everything_but_the_bodies_and_raises_with_phase_symbol_and_anchor():
+    assert import_time(ast.parse(SOURCE)) == AT_IMPORT
     out = skeletonize(SOURCE, {q: message(q) for q in REPLACED})
     assert _structure(ast.parse(out)) == _structure(ast.parse(SOURCE))
     assert "LIMIT = 3  # a module constant" in out and "def kept(a, b):\n    return a + b" in out
