@@ -33,15 +33,21 @@ _FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
-def _quantize_tile(a):
-    """``a [R, 128]`` float32 -> (e4m3 ``[R, 128]``, float32 scales ``[R]``), one group per row.
-    The clamped quotient is rounded to 3 mantissa bits (nearest, ties to even) in its float32
-    bits, where a carry reaches the exponent, so the cast itself is exact (Triton's interpreter
-    loses the carry of a rounding that crosses a power of two)."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), _FLOOR) / _MAX
-    bits = tl.clamp(a / scale[:, None], -_MAX, _MAX).to(tl.int32, bitcast=True)
+def saturate_to_fp8(v):
+    """e4m3 of float32 ``v``: clamped to ±448 (saturated, never NaN), then rounded to 3 mantissa
+    bits (nearest, ties to even) in its float32 bits, where a carry reaches the exponent, so the
+    cast itself is exact (Triton's interpreter loses the carry of a rounding that crosses a
+    power of two, and turns values past the e4m3 range into NaN)."""
+    bits = tl.clamp(v, -_MAX, _MAX).to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv), scale
+    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_tile(a):
+    """``a [R, 128]`` float32 -> (e4m3 ``[R, 128]``, float32 scales ``[R]``), one group per row."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), _FLOOR) / _MAX
+    return saturate_to_fp8(a / scale[:, None]), scale
 
 
 @triton.jit
