@@ -45,6 +45,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overlap", action="store_true",
                        help="run each step to the end before scheduling the next (default: the host schedules and "
                             "postprocesses while the device runs the previous step)")
+    group.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="fp8: quantize a float checkpoint's linear weights to FP8 at load (128 x 128 blocks, "
+                            "W8A8); FP8 checkpoints are read in their own format without it")
     group.add_argument("--disable-custom-all-reduce", action="store_true",
                        help="tensor parallel on CUDA: all-reduce with NCCL only (default: symmetric memory for "
                             "small messages)")
@@ -58,7 +61,7 @@ def build_engine(args: argparse.Namespace):
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
                      enforce_eager=args.enforce_eager, custom_all_reduce=not args.disable_custom_all_reduce,
-                     admission=args.admission, overlap=not args.no_overlap)
+                     admission=args.admission, overlap=not args.no_overlap, quantization=args.quantization)
 
 
 def generate(args: argparse.Namespace) -> int:

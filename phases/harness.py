@@ -181,22 +181,23 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_step(fn, monkeypatch) -> OpCounter:
-    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call
-    marked and every host read of a tensor recorded."""
+    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call (``engine.kernels``
+    and its FP8 ops, ``engine.kernels.fp8``) marked and every host read of a tensor recorded."""
     from engine import kernels
+    from engine.kernels import fp8
 
     counter = OpCounter()
-    for name in kernels.__all__:
-        real = getattr(kernels, name)
+    for module, name in [(m, n) for m in (kernels, fp8) for n in m.__all__]:
+        real = getattr(module, name)
 
         def inside(*args, _real=real, _name=name, **kwargs):
             counter.kernel_calls[_name] = counter.kernel_calls.get(_name, 0) + 1
-            counter.in_kernel = True
+            outer, counter.in_kernel = counter.in_kernel, True  # an op may call another (FP8 shape checks)
             try:
                 return _real(*args, **kwargs)
             finally:
-                counter.in_kernel = False
-        monkeypatch.setattr(kernels, name, inside)
+                counter.in_kernel = outer
+        monkeypatch.setattr(module, name, inside)
     for method in ("item", "tolist", "numpy", "cpu"):
         real = getattr(torch.Tensor, method)
 

@@ -23,6 +23,9 @@ import torch
 
 from engine import kernels
 
+__all__ = ["quantize_per_token_group", "fp8_linear", "fp8_expert_linear", "weight_block_rows", "dequantize_weight",
+           "quantize_weight"]
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128          # activation group and weight block along K; weight block along N (block-wise scales)

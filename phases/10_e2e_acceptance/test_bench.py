@@ -88,7 +88,7 @@ def test_random_weights_are_hf_weights(preset):
     args = argparse.Namespace(model=None, backend="tp", block_size=16, mem_utilization=0.9, max_num_seqs=2,
                               max_num_batched_tokens=512, max_model_len=128, dtype=None, device="cpu",
                               no_prefix_caching=False, enforce_eager=False, disable_custom_all_reduce=False,
-                              no_overlap=False, admission="watermark", preset=preset, seed=5)
+                              no_overlap=False, admission="watermark", quantization=None, preset=preset, seed=5)
     prompt = list(range(7, 40))
     with open_engine(args) as (engine, weights):
         assert weights == "random (seed 5)"
