@@ -210,6 +210,25 @@ def count_step(fn, monkeypatch) -> OpCounter:
     return counter
 
 
+def decode_step_ops(model, monkeypatch) -> OpCounter:
+    """What one decode step of ``model`` does (``count_step``): two sequences prefilled (7 and 3
+    tokens, block size 16, the KV cache bound here), then one decode token each."""
+    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+    from engine.kv_cache import bind_kv_cache
+
+    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
+    positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    with torch.no_grad():
+        model(torch.arange(2, 12), positions)
+    positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    try:
+        return count_step(lambda: model.compute_logits(model(torch.tensor([5, 6]), positions)), monkeypatch)
+    finally:
+        reset_context()
+
+
 def assert_no_host_sync_and_no_copies(ops: OpCounter) -> None:
     """The decode-step eager gate: no host read of a device value anywhere
     (kernels included) and no clone or dtype/device copy in model code."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,28 +27,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_floors import linear_shapes  # noqa: E402
+from bench_floors import graph_ms, linear_shapes  # noqa: E402
 
 from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
 
 
-def graph_us(fn, repeats: int = 20) -> float:
-    """Median microseconds of ``fn`` replayed from a CUDA graph."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph (20 replays)."""
+    return graph_ms(fn, 20) * 1000
 
 
 def bench_gemm(preset: dict) -> list[dict]:

@@ -23,7 +23,7 @@ from fp8_oracle import (
     quantized_weights,
 )
 from phases.checkpoints import FP8_CONFIGS, make_tiny_checkpoint
-from phases.harness import assert_no_host_sync_and_no_copies, count_step, load_engine_model
+from phases.harness import assert_no_host_sync_and_no_copies, decode_step_ops, load_engine_model
 
 PROMPT_LENS = [5, 17, 1]
 IGNORED = ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")
@@ -173,22 +173,8 @@ def test_an_ignore_list_that_splits_a_merged_layer_is_an_error(tiny_fp8_checkpoi
 def test_fp8_decode_step_has_no_host_sync(tiny_fp8_checkpoint, monkeypatch, arch):
     """An FP8 decode step (quantized projections and experts) reads nothing on the host and
     copies nothing in the model's own code: what a CUDA graph captures."""
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
-    from engine.kv_cache import bind_kv_cache
-
     model = load_engine_model(tiny_fp8_checkpoint(arch, seed=2))
-    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
-    positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
-        model(torch.arange(2, 12), positions)
-    positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    try:
-        ops = count_step(lambda: model.compute_logits(model(torch.tensor([5, 6]), positions)), monkeypatch)
-    finally:
-        reset_context()
-    assert_no_host_sync_and_no_copies(ops)
+    assert_no_host_sync_and_no_copies(decode_step_ops(model, monkeypatch))
 
 
 def test_llm_engine_quantization_option(tmp_path):
