@@ -67,10 +67,12 @@ def fake_quantize(x: torch.Tensor) -> torch.Tensor:
 def fake_quantize_weight(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` quantized and dequantized in 128 x 128 blocks (online quantization's values)."""
     n, k = w.shape
-    scales = torch.stack([torch.stack([w[i:i + 128, j:j + 128].abs().max().clamp(min=1e-10) / 448
-                                       for j in range(0, k, 128)]) for i in range(0, n, 128)]).float()
-    full = scales.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return dequantize((w / full).clamp(-448, 448).to(torch.float8_e4m3fn), scales, 128).to(w.dtype)
+    padded = w.new_zeros(-(-n // 128) * 128, -(-k // 128) * 128)
+    padded[:n, :k] = w
+    blocks = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+    scales = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-10) / 448
+    q = (blocks / scales).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scales.double()
+    return q.view(padded.shape)[:n, :k].to(w.dtype)
 
 
 class W8A8(TorchFunctionMode):
@@ -79,11 +81,16 @@ class W8A8(TorchFunctionMode):
 
     def __init__(self, weights: set[int], quantize_weights: bool = False):
         super().__init__()
-        self.weights, self.quantize_weights = weights, quantize_weights
+        self.weights, self.quantize_weights, self.quantized = weights, quantize_weights, {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear and args[1].untyped_storage().data_ptr() in self.weights:
-            weight = fake_quantize_weight(args[1]) if self.quantize_weights else args[1]
+            weight = args[1]
+            if self.quantize_weights:  # each weight (an expert: its slice of the stack) quantized once
+                key = (weight.data_ptr(), tuple(weight.shape))
+                if key not in self.quantized:
+                    self.quantized[key] = fake_quantize_weight(weight)
+                weight = self.quantized[key]
             args = (fake_quantize(args[0]), weight, *args[2:])
         return func(*args, **(kwargs or {}))
 
