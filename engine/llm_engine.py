@@ -148,6 +148,8 @@ class LLMEngine:
     next batch before it reads back the batch the previous ``step`` launched, so the host
     schedules, stages and postprocesses while the device computes; False runs every step to
     the end before returning (the synchronous loop, same tokens).
+    ``quantization="fp8"`` quantizes a float checkpoint's linear weights at load (FP8 checkpoints
+    are read in their own format whatever it says).
     """
 
     def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
@@ -155,9 +157,10 @@ class LLMEngine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
-                 custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True):
+                 custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True,
+                 quantization: str | None = None):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
-        self.config = config = ModelConfig.from_model_dir(model_dir)
+        self.config = config = ModelConfig.from_model_dir(model_dir, quantization)
         model_class = _model_class(config, inference_backend)
         self.tokenizer = _load_tokenizer(model_dir)
         if max_model_len is None:
