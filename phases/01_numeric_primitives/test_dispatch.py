@@ -146,7 +146,13 @@ DEVICES = [pytest.param("cpu", id="triton-interpret",
 def test_wrappers_do_no_host_sync_copy_or_per_token_work(device, monkeypatch):
     """Eager gate: on the CUDA backend (Triton here, run by the interpreter without a GPU) every op issues
     only allocations and views on the host (no .item()/.tolist()/.to()/copies), the same ones for 1 and
-    12 tokens. varlen_attention is prefill-only: on torch 2.11 it may expand KV heads, never sync."""
+    12 tokens. varlen_attention is prefill-only: on torch 2.11 it may expand KV heads, never sync.
+    decode_gemv's launch shape is measured per row count on CUDA (a choice, not per-token work):
+    pinned here to a split-K one, which also allocates the partial sums."""
+    from engine.kernels.triton import gemv
+
+    split_k = next(config for config in gemv.CANDIDATES if config.split_k > 1)
+    monkeypatch.setattr(gemv, "plan", lambda *args: split_k)
     if device == "cpu":
         monkeypatch.setattr(K, "_select", lambda device_type, forced: "triton")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

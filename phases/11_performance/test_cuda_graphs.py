@@ -19,9 +19,11 @@ def engines(tmp_path_factory, request):
     return LLMEngine(path, enforce_eager=True, **ENGINE_ARGS), LLMEngine(path, **ENGINE_ARGS)
 
 
-def prompts(count: int, seed: int) -> list[list[int]]:
+def prompts(count: int, seed: int, shared_prefix: bool = True) -> list[list[int]]:
+    """``count`` random prompts of 5 + 7 i tokens, the odd ones after a common 40-token prefix
+    unless ``shared_prefix`` is False."""
     gen = torch.Generator().manual_seed(seed)
-    shared = torch.randint(2, 512, (40,), generator=gen).tolist()
+    shared = torch.randint(2, 512, (40,), generator=gen).tolist() if shared_prefix else []
     return [(shared if i % 2 else []) + torch.randint(2, 512, (5 + 7 * i,), generator=gen).tolist()
             for i in range(count)]
 
@@ -39,14 +41,17 @@ def test_graph_decode_matches_eager(engines, batch):
 
 @pytest.mark.cuda
 def test_graphs_are_replayed(engines):
-    """Every captured size is replayed (not skipped) by a decode batch of that size or padded to it."""
+    """Every captured size is replayed (not skipped) by a decode batch of that size or padded to it.
+    No prompt shares a prefix, so all are admitted in the first step (one waiting for a prefix
+    another is still writing would be prefilled beside decodes, in a mixed step) and the three
+    decode steps after it are all full."""
     _, graphed = engines
     runner = graphed.runner
     assert sorted(runner.graphs) == graph_batch_sizes(8) == [1, 2, 4, 8]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for batch in (1, 2, 3, 5, 8):
         before = runner.graph_replays
-        graphed.generate_tokens(prompts(batch, seed=10 + batch), params)
+        graphed.generate_tokens(prompts(batch, seed=10 + batch, shared_prefix=False), params)
         assert runner.graph_replays - before == 3, f"batch {batch}: {runner.graph_replays - before} replays"
 
 

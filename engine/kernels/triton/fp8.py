@@ -45,9 +45,11 @@ def saturate_to_fp8(v):
 
 @triton.jit
 def _quantize_tile(a):
-    """``a [R, 128]`` float32 -> (e4m3 ``[R, 128]``, float32 scales ``[R]``), one group per row."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), _FLOOR) / _MAX
-    return saturate_to_fp8(a / scale[:, None]), scale
+    """``a [R, 128]`` float32 -> (e4m3 ``[R, 128]``, float32 scales ``[R]``), one group per row.
+    Both divisions round to nearest (``div_rn``): Triton's ``/`` on CUDA is the approximate
+    ``div.full.f32``, one ulp off torch's ``/`` in the scales."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), _FLOOR), _MAX)
+    return saturate_to_fp8(tl.div_rn(a, scale[:, None])), scale
 
 
 @triton.jit
