@@ -46,9 +46,10 @@ def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
     """Join the TP group described by RANK / WORLD_SIZE / LOCAL_RANK and return it.
 
     WORLD_SIZE unset or <= 1: returns ``TPGroup()`` at once, no process group (a
-    single-process run must never wait for a master). Otherwise CUDA sets
-    ``LOCAL_RANK`` as the device and creates one group (gloo for CPU tensors,
-    NCCL for CUDA tensors); CPU-only hosts get gloo. The expert-parallel group
+    single-process run must never wait for a master). Otherwise a host with a GPU
+    for every local rank sets ``LOCAL_RANK`` as the device and creates one group
+    (gloo for CPU tensors, NCCL for CUDA tensors); CPU-only hosts and hosts with
+    fewer GPUs than local ranks (every rank decides the same) get gloo alone. The expert-parallel group
     ("ep", ``get_ep_group``) spans the same ranks. Idempotent.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,7 +57,8 @@ def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
         return get_tp_group()
     if not dist.is_initialized():
         kwargs: dict[str, Any] = dict(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        if torch.cuda.is_available():
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
             kwargs.update(backend="cpu:gloo,cuda:nccl", device_id=device)

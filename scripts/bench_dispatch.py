@@ -109,7 +109,8 @@ def launches(calls: int) -> dict:
         for jit_fn, args, kwargs, grid, kernel in captured:
             jit_us += per_call_us(lambda: jit_fn[grid](*args, **kwargs), calls, True)
             stream = torch.cuda.current_stream().cuda_stream
-            values = [*args, *kwargs.values()]
+            # the kernel's own arguments in signature order; launch options (num_warps, ...) are not among them
+            values = [*args, *(kwargs[name] for name in jit_fn.arg_names[len(args):] if name in kwargs)]
             grid3 = (*grid, 1, 1)[:3]
             cached_us += per_call_us(lambda: kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, None,
                                                         None, None, *values), calls, True)

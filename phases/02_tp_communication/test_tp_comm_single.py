@@ -39,6 +39,30 @@ def test_single_process_init_returns_at_once(world_size):
     assert done.stdout.split() == ["0", "1", "None", "False", "True"]
 
 
+@pytest.mark.parametrize("gpus, want_backend", [(0, "gloo"), (1, "gloo"), (2, "cpu:gloo,cuda:nccl")])
+def test_ranks_use_nccl_only_with_a_gpu_for_every_local_rank(monkeypatch, gpus, want_backend):
+    """Two local ranks: NCCL (each on cuda:LOCAL_RANK) only where the host has two GPUs; with one
+    GPU, rank 1 asking for cuda:1 would fail ("invalid device ordinal"), so every rank takes gloo."""
+    import engine.distributed as D
+
+    calls = []
+    monkeypatch.setattr(D, "_groups", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(("init", kwargs["backend"])))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    tp = D.init_tp_distributed(timeout_s=5)
+    assert (tp.rank, tp.size) == (1, 2)
+    assert calls[-1] == ("init", want_backend)
+    assert (("set_device", torch.device("cuda", 1)) in calls) == (want_backend != "gloo")
+
+
 def test_tp_group_defaults_to_one_rank():
     assert get_tp_group() == TPGroup(rank=0, size=1, group=None)
     assert not dist.is_initialized()

@@ -181,7 +181,7 @@ def test_llm_engine_quantization_option(tmp_path):
     """``LLMEngine(..., quantization="fp8")`` serves a float checkpoint with FP8 weights; its greedy
     tokens are the argmax of the same FP8 model's logits (teacher-forced over prompt + output)."""
     model_dir = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", seed=9, **FP8_CONFIGS["Qwen3ForCausalLM"])
-    engine = LLMEngine(model_dir, quantization="fp8", max_num_seqs=2, max_model_len=64)
+    engine = LLMEngine(model_dir, quantization="fp8", device="cpu", max_num_seqs=2, max_model_len=64)
     assert engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     prompt = [5, 17, 3, 9]
     [out] = engine.generate_tokens([prompt], SamplingParams(temperature=0.0, max_tokens=4))
