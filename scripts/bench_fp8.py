@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_floors import graph_ms, linear_shapes  # noqa: E402
 
+from engine.bench.floors import dense_linear_shapes, elapsed_ms  # noqa: E402
 from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
@@ -36,12 +36,12 @@ from engine.kernels import fp8  # noqa: E402
 
 def graph_us(fn) -> float:
     """Median microseconds of ``fn`` replayed from a CUDA graph (20 replays)."""
-    return graph_ms(fn, 20) * 1000
+    return elapsed_ms(fn, 20, torch.device("cuda")) * 1000
 
 
 def bench_gemm(preset: dict) -> list[dict]:
     rows = []
-    layer, _ = linear_shapes(preset)
+    layer, _ = dense_linear_shapes(preset)
     for n, k in layer:
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q, scales = fp8.quantize_weight(weight)
