@@ -15,7 +15,9 @@ Names: ``<model>_b1_graphs_tok_s`` / ``_b1_eager_tok_s`` (B=1 decode), ``<model>
 (one N-token prompt: N / TTFT), ``<model>_matmul_chain_tok_s`` (the cuBLAS floor),
 ``<model>_throughput_out_tok_s`` and ``_throughput_gpu_busy_pct`` (nano-vllm's shape only: 256
 sequences, lengths 100-1024; busy = NVML utilisation, mean over the run), with ``<model>`` the
-preset: ``qwen3_8b``, ``dsv2_lite``, ...
+preset: ``qwen3_8b``, ``dsv2_lite``, ... and ``_fp8`` after it for an FP8 run
+(``qwen3_8b_fp8_b1_graphs_tok_s``); a run with synchronous steps (``--no-overlap``, the peer of
+the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_graphs_no_overlap_tok_s``).
 """
 from __future__ import annotations
 
@@ -75,14 +77,21 @@ def _figure(value: float, unit: str, source: str, peer: dict | None = None) -> d
     return {"value": value, "unit": unit, "peer": peer or {}, "from": source}
 
 
+def _variant(report: dict) -> tuple[str, str]:
+    """(the model's name with ``_fp8`` for an FP8 run, ``_no_overlap`` for synchronous steps or "")."""
+    settings = report["settings"]
+    quantized = "_fp8" if settings.get("quantization") == "fp8" else ""
+    return model_name(_preset(report)) + quantized, "" if settings.get("overlap", True) else "_no_overlap"
+
+
 def _latency(report: dict) -> dict:
-    model = model_name(_preset(report))
+    model, steps = _variant(report)
     mode = "eager" if report["settings"]["enforce_eager"] else "graphs"
     peer = {f"transformers_{name}_tok_s": run["tok_s"] for name, run in report.get("compare_hf", {}).items()
             if isinstance(run, dict) and "tok_s" in run}
-    figures = {f"{model}_b1_{mode}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
+    figures = {f"{model}_b1_{mode}{steps}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
     for ttft in report["ttft"]:
-        figures[f"{model}_prefill_{ttft['prompt_len']}_tok_s"] = _figure(
+        figures[f"{model}_prefill_{ttft['prompt_len']}{steps}_tok_s"] = _figure(
             ttft["prompt_len"] / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={ttft['prompt_len']}]: prompt_len / ms")
     return figures
 
@@ -91,13 +100,13 @@ def _throughput(report: dict) -> dict:
     shape = {k: report["settings"][k] for k in NANO_VLLM_SHAPE}
     if shape != NANO_VLLM_SHAPE:
         raise ValueError(f"throughput names are for nano-vllm's shape {NANO_VLLM_SHAPE}; this run is {shape}")
-    model = model_name(_preset(report))
+    model, steps = _variant(report)
     peer = report.get("compare_hf", {}).get("ratios", {})
-    figures = {f"{model}_throughput_out_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
-                                                        "throughput.output_tok_s", peer)}
+    figures = {f"{model}_throughput_out{steps}_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
+                                                               "throughput.output_tok_s", peer)}
     devices = report.get("gpu_monitor", {}).get("devices")
     if devices:
-        figures[f"{model}_throughput_gpu_busy_pct"] = _figure(devices[0]["util_pct_mean"], "%",
+        figures[f"{model}_throughput_gpu_busy{steps}_pct"] = _figure(devices[0]["util_pct_mean"], "%",
                                                               "gpu_monitor.devices[0].util_pct_mean (NVML)")
     return figures
 

@@ -40,8 +40,8 @@ def latency_report(tmp_path_factory) -> tuple[Path, dict]:
 def test_a_latency_report_maps_to_named_figures_with_a_command_that_reproduces_it(latency_report):
     _, report = latency_report
     figures = record_benchmarks.figures_of(report)
-    assert sorted(figures) == ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s"]
-    decode, prefill = figures["tiny_qwen3_b1_eager_tok_s"], figures["tiny_qwen3_prefill_16_tok_s"]
+    assert sorted(figures) == ["tiny_qwen3_b1_eager_no_overlap_tok_s", "tiny_qwen3_prefill_16_no_overlap_tok_s"]
+    decode, prefill = figures["tiny_qwen3_b1_eager_no_overlap_tok_s"], figures["tiny_qwen3_prefill_16_no_overlap_tok_s"]
     assert (decode["value"], decode["unit"]) == (report["decode"]["tok_s"], "tok/s")
     (ttft,) = report["ttft"]
     assert prefill["value"] == pytest.approx(16 / (ttft["ms"] / 1e3))
@@ -53,6 +53,17 @@ def test_a_latency_report_maps_to_named_figures_with_a_command_that_reproduces_i
     add_bench_command(parser.add_subparsers(dest="command"))
     settings = {k: v for k, v in vars(parser.parse_args(words[3:])).items() if k not in ("run", "command")}
     assert settings == report["settings"]
+
+
+def test_fp8_and_overlapped_runs_have_their_own_names(latency_report):
+    """The default (overlapped) bf16 run owns the headline names; an FP8 run adds ``_fp8`` after the
+    model, so neither replaces the other's figures."""
+    _, report = latency_report
+    variants = {"bf16": {"overlap": True}, "fp8": {"overlap": True, "quantization": "fp8"}}
+    names = {kind: sorted(record_benchmarks.figures_of(
+        {**report, "command": "c", "settings": {**report["settings"], **change}})) for kind, change in variants.items()}
+    assert names == {"bf16": ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s"],
+                     "fp8": ["tiny_qwen3_fp8_b1_eager_tok_s", "tiny_qwen3_fp8_prefill_16_tok_s"]}
 
 
 def test_cpu_reports_are_refused_and_nothing_is_written(latency_report, tmp_path):
