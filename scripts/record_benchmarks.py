@@ -104,10 +104,12 @@ def _throughput(report: dict) -> dict:
     peer = report.get("compare_hf", {}).get("ratios", {})
     figures = {f"{model}_throughput_out{steps}_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
                                                                "throughput.output_tok_s", peer)}
-    devices = report.get("gpu_monitor", {}).get("devices")
+    monitor = report.get("gpu_monitor", {})
+    timed = monitor.get("timed_run", {}).get("devices")  # the timed run alone, without load and warm-up
+    devices, source = (timed, "gpu_monitor.timed_run") if timed else (monitor.get("devices"), "gpu_monitor")
     if devices:
         figures[f"{model}_throughput_gpu_busy{steps}_pct"] = _figure(devices[0]["util_pct_mean"], "%",
-                                                              "gpu_monitor.devices[0].util_pct_mean (NVML)")
+                                                                     f"{source}.devices[0].util_pct_mean (NVML)")
     return figures
 
 

@@ -3,17 +3,20 @@ benchmark runs (``pynvml`` from the optional nvidia-ml-py package)."""
 from __future__ import annotations
 
 import threading
+import time
 
 
 class GpuMonitor:
     """``with GpuMonitor(interval_s) as mon: ...`` then ``mon.report()``: per device, the
     utilisation (% of time a kernel ran) mean / max and used memory mean / max in GiB; or
-    ``{"unavailable": reason}`` when NVML cannot be used here."""
+    ``{"unavailable": reason}`` when NVML cannot be used here. ``mon.report(window)`` keeps only
+    the samples taken inside ``window`` (``time.monotonic()`` seconds, start and end): the timed
+    part of a benchmark, without the model's load and warm-up."""
 
     def __init__(self, interval_s: float = 0.2):
         self.interval_s = interval_s
         self.unavailable: str | None = None
-        self.samples: list[list[tuple[int, int]]] = []  # per device: (util %, used bytes)
+        self.samples: list[list[tuple[float, int, int]]] = []  # per device: (monotonic s, util %, used bytes)
         self._stop = threading.Event()
 
     def __enter__(self) -> "GpuMonitor":
@@ -39,9 +42,10 @@ class GpuMonitor:
         return self
 
     def _sample(self) -> None:
-        nvml = self._nvml
+        nvml, now = self._nvml, time.monotonic()
         for handle, samples in zip(self._handles, self.samples):
-            samples.append((nvml.nvmlDeviceGetUtilizationRates(handle).gpu, nvml.nvmlDeviceGetMemoryInfo(handle).used))
+            samples.append((now, nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+                            nvml.nvmlDeviceGetMemoryInfo(handle).used))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -53,12 +57,16 @@ class GpuMonitor:
             self._thread.join()
             self._nvml.nvmlShutdown()
 
-    def report(self) -> dict:
+    def report(self, window: tuple[float, float] | None = None) -> dict:
         if self.unavailable is not None:
             return {"unavailable": self.unavailable}
         devices = []
         for index, (name, total, samples) in enumerate(zip(self.names, self.total, self.samples)):
-            util, used = [s[0] for s in samples], [s[1] / 2**30 for s in samples]
+            if window is not None:
+                samples = [s for s in samples if window[0] <= s[0] <= window[1]]
+                if not samples:
+                    return {"unavailable": f"no sample inside the {window[1] - window[0]:.3f} s window"}
+            util, used = [s[1] for s in samples], [s[2] / 2**30 for s in samples]
             devices.append({"index": index, "name": name, "samples": len(samples),
                             "util_pct_mean": sum(util) / len(util), "util_pct_max": max(util),
                             "mem_used_gib_mean": sum(used) / len(used), "mem_used_gib_max": max(used),

@@ -188,16 +188,18 @@ def throughput_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, m
 def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int], temperature: float,
                        desc: str = "throughput") -> dict:
     """Submit every request at once and step until all finish (prefills and decodes timed);
-    ``host_ms_per_step``: the engine's host time per step, waits for the device excluded."""
+    ``host_ms_per_step``: the engine's host time per step, waits for the device excluded;
+    ``monotonic_window``: the timed part's start and end in ``time.monotonic()`` seconds (the
+    window ``GpuMonitor.report`` takes)."""
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
               for i, n in enumerate(output_lens)]
     steps_before, host_before = engine.num_steps, engine.host_seconds
-    start = time.perf_counter()
+    start, window_start = time.perf_counter(), time.monotonic()
     ids = [engine.add_request(p, sp, detokenize=False) for p, sp in zip(prompts, params)]
     with tqdm(total=len(ids), desc=desc, unit="req") as bar:
         while engine.has_unfinished_requests():
             bar.update(len(engine.step()))
-    seconds = time.perf_counter() - start
+    seconds, window = time.perf_counter() - start, (window_start, time.monotonic())
     outputs = [engine.pop_request(rid) for rid in ids]
     rejected = [o.reject_reason for o in outputs if o.finish_reason == "rejected"]
     if rejected:
@@ -210,4 +212,4 @@ def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int],
     return {"num_seqs": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
             "steps": steps, "seconds": seconds, "output_tok_s": output_tokens / seconds,
             "total_tok_s": (input_tokens + output_tokens) / seconds, "overlap": engine.overlap,
-            "host_ms_per_step": 1e3 * (engine.host_seconds - host_before) / steps}
+            "host_ms_per_step": 1e3 * (engine.host_seconds - host_before) / steps, "monotonic_window": window}

@@ -41,6 +41,20 @@ def check_common(report: dict, mode: str, device: str = "cpu") -> None:
         assert report["engine"]["kv_cache_blocks"] > 0
 
 
+def test_gpu_monitor_window_keeps_the_samples_inside_it():
+    """``report(window)`` states utilisation over the timed part only: samples before and after
+    (model load, warm-up) are left out; a window with no sample says so."""
+    from engine.bench.monitor import GpuMonitor
+
+    monitor = GpuMonitor()
+    monitor.names, monitor.total = ["gpu"], [80 * 2**30]
+    monitor.samples = [[(0.0, 0, 2**30), (1.0, 90, 2**31), (2.0, 100, 2**31), (3.0, 10, 2**30)]]
+    whole, timed = monitor.report()["devices"][0], monitor.report((0.5, 2.5))["devices"][0]
+    assert (whole["samples"], whole["util_pct_mean"]) == (4, 50.0)
+    assert (timed["samples"], timed["util_pct_mean"], timed["mem_used_gib_max"]) == (2, 95.0, 2.0)
+    assert "unavailable" in monitor.report((3.5, 4.0))
+
+
 def test_latency_random_weights(capsys, tmp_path):
     trace, output = tmp_path / "trace.json", tmp_path / "new" / "report.json"
     report = bench(capsys, "latency", "--preset", "tiny-qwen3", "--random-weights", "--max-model-len", 96,
@@ -117,6 +131,8 @@ def test_throughput(capsys, tiny_checkpoint, source):
     assert close(result["total_tok_s"], (result["input_tokens"] + result["output_tokens"]) / result["seconds"])
     assert result["steps"] >= max(output_lens)  # at least one decode step per token of the longest output
     assert result["overlap"] is True and 0 < result["host_ms_per_step"] < 1e3 * result["seconds"]
+    start, end = result["monotonic_window"]  # the timed part, which the GPU-busy figure is stated over
+    assert 0 < end - start and abs((end - start) - result["seconds"]) < 0.05 * result["seconds"] + 0.01
     if source == "checkpoint":
         compare = report["compare_hf"]
         ours, hf = compare["ours"], compare["hf_eager"]

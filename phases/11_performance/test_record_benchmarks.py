@@ -111,6 +111,18 @@ def test_gpu_reports_merge_into_benchmarks_json(tmp_path):
     assert set(kept) <= set(chain) and chain["date"] == MACHINE["time"]
 
 
+def test_gpu_busy_is_read_from_the_timed_run_when_the_report_has_it():
+    settings = {"num_seqs": 256, "min_len": 100, "max_len": 1024}
+    device = {"util_pct_mean": 60.0}
+    report = {"bench": "throughput", "command": "c", "machine": MACHINE, "model": {"source": "preset qwen3-8b"},
+              "settings": settings, "throughput": {"output_tok_s": 1.0}, "gpu_monitor": {"devices": [device]}}
+    whole = record_benchmarks.figures_of(report)["qwen3_8b_throughput_gpu_busy_pct"]
+    report["gpu_monitor"]["timed_run"] = {"devices": [{"util_pct_mean": 95.0}]}
+    timed = record_benchmarks.figures_of(report)["qwen3_8b_throughput_gpu_busy_pct"]
+    assert (whole["value"], timed["value"]) == (60.0, 95.0)
+    assert timed["from"].startswith("gpu_monitor.timed_run")
+
+
 def test_a_throughput_run_off_nano_vllms_shape_has_no_headline_name():
     report = {"bench": "throughput", "machine": MACHINE, "model": {"source": "preset qwen3-8b"},
               "settings": {"num_seqs": 64, "min_len": 100, "max_len": 1024}, "throughput": {"output_tok_s": 1.0}}
