@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
-from engine.bench.offline import greedy, random_prompt, run_to_end
+from engine.bench.offline import greedy, random_prompt, run_to_end, sync
 
 COMPILED_MARKERS = ("Torch-Compiled Region", "CompiledFunction", "CompiledFxGraph", "TorchDynamo")
 INDUCTOR_KERNEL_PREFIXES = ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_", "cpp_fused_")
@@ -38,7 +39,9 @@ def gpu_kernel_us(trace_path: str | Path) -> float:
 def profile_decode(engine, rng: random.Random, trace_path: str | Path, prompt_len: int, steps: int,
                    batch: int = 1) -> dict:
     """Write a chrome trace of ``steps`` decode steps at ``batch`` sequences (after an untimed
-    prefill and one decode step) and check it; GPU kernel time per step from the trace.
+    prefill and one decode step) and check it; GPU kernel time per step from the trace, beside
+    the wall time per step of the traced steps (the profiler's own cost included): their
+    difference is what the GPU waited for.
     Under TP, rank r > 0 writes ``NAME.rank<r>.json`` beside ``trace_path``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -52,15 +55,18 @@ def profile_decode(engine, rng: random.Random, trace_path: str | Path, prompt_le
     engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             engine.step()
+        sync(engine.device)
+        wall_us = 1e6 * (time.perf_counter() - start)
     run_to_end(engine)
     for rid in ids:
         engine.pop_request(rid)
     Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
     result = {"trace": str(trace_path), "batch_size": batch, "decode_steps": steps,
-              "check": eager_trace_check(trace_path)}
+              "wall_us_per_step": wall_us / steps, "check": eager_trace_check(trace_path)}
     if engine.device.type == "cuda":
         result["gpu_kernel_us_per_step"] = gpu_kernel_us(trace_path) / steps
     return result

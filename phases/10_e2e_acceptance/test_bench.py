@@ -82,6 +82,7 @@ def test_latency_random_weights(capsys, tmp_path):
     profile = report["profile"]
     assert Path(profile["trace"]) == trace and trace.is_file() and profile["decode_steps"] == 3
     assert profile["check"]["eager"] and profile["check"]["events"] > 0
+    assert 0 < profile["wall_us_per_step"] < 1e6 * 60
 
     compare = report["compare_hf"]
     assert compare["eager"]["tokens"] == 24 and compare["eager"]["prompt_len"] == 16
