@@ -227,9 +227,11 @@ def test_scales_of_another_shape_are_refused():
 
 
 @pytest.mark.cuda
-def test_fp8_ops_replay_in_a_cuda_graph():
-    """Captured in a CUDA graph (no host sync may happen inside), the linear and expert GEMMs
-    replay to the eager results on new inputs."""
+def test_fp8_ops_replay_in_a_cuda_graph(monkeypatch):
+    """Captured in a CUDA graph (no host sync may happen inside), the linear GEMM (at a split-K
+    decode launch shape: partials, arrival counters) and the expert GEMM replay to the eager
+    results on new inputs."""
+    monkeypatch.setattr(triton_fp8, "decode_plan", lambda *args: GemmConfig(16, 32, 4, 4, 3))
     gen = torch.Generator().manual_seed(0)
     weight, scales = (t.cuda() for t in random_fp8_weight(gen, n=512, k=384))
     experts, expert_scales = (t.cuda() for t in random_fp8_weight(gen, 8, n=256, k=384))
