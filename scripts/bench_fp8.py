@@ -3,10 +3,12 @@
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
-``gemm``: each decoder linear shape of the preset at M = 1, 16, 256 and 4096 rows: bf16 cuBLAS
+``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows: bf16 cuBLAS
 (``F.linear``), ``kernels.fp8.fp8_linear`` with the Triton GEMM (the default) and with
-``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling), microseconds per call (CUDA
-events around CUDA-graph replays, median of 20) and TB/s of weight bytes at M = 1.
+``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling; null with the error where it
+refuses the shape), microseconds per call (CUDA events around CUDA-graph replays, median of 20)
+and TB/s of weight bytes at M = 1. Up to 16 rows also the launch shape the decode plan chose
+(``fp8_triton_config``) and the unsplit GEMM's time (``fp8_unsplit_us``).
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -32,6 +34,11 @@ from engine.bench.floors import dense_linear_shapes, elapsed_ms  # noqa: E402
 from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
+from engine.kernels.triton import fp8 as triton_fp8  # noqa: E402
+from engine.kernels.triton.fp8 import _block_sizes, decode_plan  # noqa: E402
+from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
+
+UNSPLIT = _block_sizes(1)  # the FP8 GEMM's launch shape before the decode split-K
 
 
 def graph_us(fn) -> float:
@@ -45,16 +52,23 @@ def bench_gemm(preset: dict) -> list[dict]:
     for n, k in layer:
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q, scales = fp8.quantize_weight(weight)
-        for m in (1, 16, 256, 4096):
+        for m in (1, 8, 16, 256, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "m": m, "bf16_us": graph_us(lambda: F.linear(x, weight))}
             for gemm in ("triton", "scaled_mm"):
                 os.environ["AGENT_INFER_FP8_GEMM"] = gemm
-                row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
+                try:
+                    row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
+                except RuntimeError as error:  # scaled_mm refuses some shapes (M = 1 on torch 2.11)
+                    row[f"fp8_{gemm}_us"], row[f"fp8_{gemm}_error"] = None, str(error).splitlines()[0]
             os.environ.pop("AGENT_INFER_FP8_GEMM")
+            if m <= MAX_ROWS:  # the launch shape the decode plan measured for this shape
+                row["fp8_triton_config"] = decode_plan(x, q, scales, None)._asdict()
+                row["fp8_unsplit_us"] = graph_us(lambda: triton_fp8.fp8_linear(x, q, scales, config=UNSPLIT))
             if m == 1:
                 row.update({f"{kind}_tb_s": bytes_ / row[f"{kind}_us"] / 1e6 for kind, bytes_ in
-                            (("bf16", 2 * n * k), ("fp8_triton", n * k), ("fp8_scaled_mm", n * k))})
+                            (("bf16", 2 * n * k), ("fp8_triton", n * k), ("fp8_scaled_mm", n * k))
+                            if row[f"{kind}_us"]})
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     return rows

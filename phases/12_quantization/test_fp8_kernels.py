@@ -3,19 +3,34 @@ float64 products, on every backend present (torch reference on CPU, Triton under
 interpreter on CPU, Triton on CUDA)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine import kernels
 from engine.kernels import fp8
-from engine.kernels.triton.fp8 import _group_by_expert, saturate_to_fp8
-from fp8_truth import TARGETS, dequantize, quantize_groups, random_fp8_weight, rel_error
+from engine.kernels.triton import fp8 as triton_fp8
+from engine.kernels.triton.fp8 import GemmConfig, _group_by_expert, saturate_to_fp8
+from engine.kernels.triton.semaphores import zeroed_counters
+from fp8_truth import HAS_CUDA, HAS_TRITON, TARGETS, dequantize, quantize_groups, random_fp8_weight, rel_error
 from phases.harness import count_step
+
+TRITON_TARGETS = [pytest.param("cpu", id="triton-interpret",
+                               marks=pytest.mark.skipif(HAS_CUDA or not HAS_TRITON,
+                                                        reason="the interpreter runs only without a GPU")),
+                  pytest.param("cuda", id="triton-cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.fixture(params=TARGETS)
-def target(request):
+def target(request, monkeypatch):
+    """A backend; the public ops (``engine.kernels.fp8``) run on it: CPU tensors go to the Triton
+    interpreter for the triton-interpret target (by default they take the torch reference)."""
+    if request.param.name == "triton-interpret":
+        monkeypatch.setattr(kernels, "_select", lambda device_type, forced: "triton")
     return request.param
 
 
@@ -65,6 +80,69 @@ def test_fp8_linear_matches_float64(target, m, n, k, block_rows, bias):
     truth = dequantize(q, s) @ dequantize(weight, scales, block_rows).T + (0 if b is None else b.double())
     assert out.dtype == x.dtype and out.shape == (m, n)
     assert rel_error(out, truth) < (1e-5 if target.dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+@pytest.mark.parametrize("m, n, k, block_rows, bias", [(1, 200, 300, 128, True), (3, 96, 256, 1, False),
+                                                       (16, 130, 384, 128, False), (1, 64, 1, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [GemmConfig(16, 64, 1, 4, 4), GemmConfig(16, 32, 2, 4, 3),
+                                    GemmConfig(16, 16, 4, 4, 3), GemmConfig(16, 32, 8, 4, 3)], ids=str)
+def test_fp8_decode_split_k_matches_float64(device, m, n, k, block_rows, bias, dtype, config):
+    """The decode launch shapes of the FP8 GEMM (one 16-row tile, K split on 128-column groups,
+    more splits than groups included; the last split to arrive adds the partials in order)
+    equal float64 on the dequantized values for 1-16 rows, twice in a row with the same bits
+    (the arrival counters are back to zero after each launch)."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k + config.split_k)
+    x = torch.randn(m, k + 3, generator=gen, dtype=torch.float64)[:, 1:1 + k]
+    x = (x * 10.0 ** torch.randint(-3, 4, (m, -(-k // 128)), generator=gen).repeat_interleave(128, 1)[:, :k])
+    x = x.to(dtype).to(device)
+    weight, scales = random_fp8_weight(gen, n=n, k=k, block_rows=block_rows)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = weight.to(device), scales.to(device), None if b is None else b.to(device)
+    out = triton_fp8.fp8_linear(x, *args, config=config)
+    assert torch.equal(triton_fp8.fp8_linear(x, *args, config=config), out), "split-K sum not deterministic"
+    assert not zeroed_counters(out.device, 1).any(), "an arrival counter was left non-zero"
+    q, s = quantize_groups(x.cpu())
+    truth = dequantize(q, s) @ dequantize(weight, scales, block_rows).T + (0 if b is None else b.double())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_error(out, truth) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+class HostOps(TorchDispatchMode):
+    """The aten ops issued on the host, those of Triton's interpreter (running a kernel) aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and "triton/runtime/interpreter" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is None:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+def test_fp8_linear_decode_has_no_host_sync_or_per_token_work(device, monkeypatch):
+    """The Triton ``fp8_linear`` of a decode step (its launch shape measured once per shape on CUDA,
+    pinned here to a split-K one, which allocates the partial sums) issues allocations and views
+    only, the same ones for 1 and 12 rows, and reads nothing on the host."""
+    monkeypatch.setattr(triton_fp8, "decode_plan", lambda *args: GemmConfig(16, 32, 4, 4, 3))
+    gen = torch.Generator().manual_seed(5)
+    weight, scales = (t.to(device) for t in random_fp8_weight(gen, n=200, k=300))
+    recorded = []
+    for m in (1, 12):
+        x = torch.randn(m, 300, generator=gen).to(device)
+        triton_fp8.fp8_linear(x, weight, scales)  # warm-up: compile
+        with HostOps() as host:
+            ops = count_step(lambda: triton_fp8.fp8_linear(x, weight, scales), monkeypatch)
+        assert ops.host_reads == [], ops.host_reads
+        recorded.append(host.ops)
+    assert set(recorded[1]) <= {"view", "unsqueeze", "empty"}, recorded[1]
+    assert recorded[0] == recorded[1], recorded
 
 
 @pytest.mark.parametrize("tokens, per_token, experts", [(1, 1, 1), (1, 6, 8), (3, 2, 4), (40, 3, 8), (9, 1, 2)])
@@ -149,9 +227,11 @@ def test_scales_of_another_shape_are_refused():
 
 
 @pytest.mark.cuda
-def test_fp8_ops_replay_in_a_cuda_graph():
-    """Captured in a CUDA graph (no host sync may happen inside), the linear and expert GEMMs
-    replay to the eager results on new inputs."""
+def test_fp8_ops_replay_in_a_cuda_graph(monkeypatch):
+    """Captured in a CUDA graph (no host sync may happen inside), the linear GEMM (at a split-K
+    decode launch shape: partials, arrival counters) and the expert GEMM replay to the eager
+    results on new inputs."""
+    monkeypatch.setattr(triton_fp8, "decode_plan", lambda *args: GemmConfig(16, 32, 4, 4, 3))
     gen = torch.Generator().manual_seed(0)
     weight, scales = (t.cuda() for t in random_fp8_weight(gen, n=512, k=384))
     experts, expert_scales = (t.cuda() for t in random_fp8_weight(gen, 8, n=256, k=384))

@@ -7,6 +7,13 @@ by the rows' activation scales and the columns' weight scales before it is added
 activations come quantized (``quantize_per_token_group``, large M) or are quantized in the
 GEMM itself, one K-tile at a time (small M, where the weights' bytes dominate: one launch).
 
+Decode (up to ``gemv.MAX_ROWS`` rows): one 16-row tile would leave only N / BLOCK_N programs, each
+looping over all of K, so the K loop is split too (``SPLIT_K`` runs of whole 128-column groups,
+one launch): each program stores its float32 partial sums and the last split of a column block
+to arrive adds them in split order, then the bias (``semaphores.arrive_last``: deterministic, no
+memset, graph-safe). The launch shape (``GemmConfig``) is timed once per shape on CUDA among
+``DECODE_CANDIDATES``, the unsplit GEMM included (``decode_plan``, ``gemv.fastest``).
+
 Experts: assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
 (each expert's rows padded to a whole tile; ``_group_by_expert``), so a program reads one
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
@@ -19,12 +26,15 @@ the Triton GEMM by ``scripts/bench_fp8.py``; Triton stays the default until it m
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, GROUP, SCALE_FLOOR, weight_block_rows
+from engine.kernels.triton.gemv import MAX_ROWS, fastest
+from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # "triton" (default) or "scaled_mm"
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
@@ -77,11 +87,12 @@ def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows_ptr, tile_expert_ptr,
-                     m, n, k, experts_per_row, num_experts,
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, rows_ptr,
+                     tile_expert_ptr, m, n, k, experts_per_row, num_experts,
                      a_stride, a_scale_stride, w_stride_e, w_stride_n, ws_stride_e, ws_stride_n, out_stride,
                      SCALE_BLOCK_N: tl.constexpr, QUANTIZE_A: tl.constexpr, GATHER: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if GATHER:  # a tile of one expert's assignments (-1: padding); a row of a is assignment // J
         expert = tl.load(tile_expert_ptr + tl.program_id(0)).to(tl.int64)
@@ -99,8 +110,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     col_ok = cols < n
     w_rows = w_ptr + expert * w_stride_e + cols[:, None].to(tl.int64) * w_stride_n
     w_scale_rows = w_scale_ptr + expert * ws_stride_e + (cols // SCALE_BLOCK_N).to(tl.int64) * ws_stride_n
+    split = tl.program_id(2)
+    split_len = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K  # whole groups: splits meet on 128 columns
+    k_start = split * split_len
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + split_len, k), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -112,39 +126,100 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         w_scale = tl.load(w_scale_rows + k0 // BLOCK_K, mask=col_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:  # rows of a, not gathered: partials [SPLIT_K, m, n], the last split adds them in order
+        tl.store(part_ptr + (split * m + out_rows[:, None]) * n + cols[None, :], acc, mask=out_mask)
+        if arrive_last(counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(part_ptr + (s * m + out_rows[:, None]) * n + cols[None, :], mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+            _store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
+                       out_mask, HAS_BIAS)
+    else:
+        _store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
+                   out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS: tl.constexpr):
+    """``acc`` (+ the bias of ``cols``) cast to the output's dtype, stored at ``out_ptrs``."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + out_rows[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
-def _block_sizes(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for tiles of up to ``rows`` rows."""
+class GemmConfig(NamedTuple):
+    """A launch shape: rows per tile, columns per program, K splits (each a run of whole 128-column
+    groups; > 1 only for plain rows), warps, pipeline stages."""
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _block_sizes(rows: int) -> GemmConfig:
+    """The unsplit GEMM's launch shape for tiles of up to ``rows`` rows."""
     if rows <= 16:
-        return 16, 64, 4, 4
+        return GemmConfig(16, 64, 1, 4, 4)
     if rows <= 64:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
+        return GemmConfig(64, 64, 1, 4, 3)
+    return GemmConfig(128, 128, 1, 8, 3)
 
 
-def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, tile_rows, rows=None, tile_expert=None,
-            experts_per_row=1):
-    """One GEMM launch over ``tiles`` tiles of ``tile_rows`` rows (gathered when ``rows`` is given)."""
+# Up to gemv.MAX_ROWS rows (decode): one 16-row tile, the weight streamed by N / BLOCK_N * SPLIT_K
+# programs; the unsplit shape (_block_sizes) is a candidate too. Timed per shape (decode_plan).
+DECODE_CANDIDATES = [_block_sizes(1)] + [GemmConfig(16, block_n, split_k, 4, 3) for block_n, split_k in
+                                         [(32, 2), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (128, 8),
+                                          (32, 16), (64, 16)]]
+DECODE_DEFAULT = GemmConfig(16, 32, 2, 4, 3)  # without CUDA (the interpreter): split, so that path is run
+_DECODE_PLANS: dict[tuple, GemmConfig] = {}
+
+
+def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> GemmConfig:
+    """The launch shape for ``a [M <= gemv.MAX_ROWS, K]`` against this weight: on CUDA the fastest
+    of ``DECODE_CANDIDATES`` on this shape, timed once per shape (``gemv.fastest``; inside a
+    capture an unmeasured shape keeps the unsplit GEMM); ``DECODE_DEFAULT`` elsewhere."""
+    if a.device.type != "cuda":
+        return DECODE_DEFAULT
+    key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None)
+    return fastest(_DECODE_PLANS, key, _block_sizes(a.shape[0]), lambda: _decode_runs(a, weight, weight_scale, bias))
+
+
+def _decode_runs(a, weight, weight_scale, bias) -> dict:
+    """Every decode candidate -> a call launching it (into one output buffer), for timing."""
+    out = torch.empty(a.shape[0], weight.shape[0], dtype=a.dtype, device=a.device)
+    return {config: lambda config=config: _launch(a, None, weight, weight_scale, bias, out, a.shape[0], 1, config)
+            for config in DECODE_CANDIDATES}
+
+
+def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile_expert=None, experts_per_row=1):
+    """One GEMM launch over ``tiles`` tiles of ``config.block_m`` rows (gathered when ``rows`` is
+    given; split-K only when not)."""
     if w.dim() == 2:
         w, w_scale = w.unsqueeze(0), w_scale.unsqueeze(0)
-    block_m, block_n, warps, stages = _block_sizes(tile_rows)
-    _fp8_gemm_kernel[(tiles, triton.cdiv(w.shape[1], block_n))](
-        a, a_scale if a_scale is not None else a, w, w_scale, bias if bias is not None else out, out,
+    n = w.shape[1]
+    blocks = triton.cdiv(n, config.block_n)
+    part = counters = out  # unused unless split: any pointer serves
+    if config.split_k > 1:
+        part = torch.empty(config.split_k, m, n, dtype=torch.float32, device=out.device)
+        counters = zeroed_counters(out.device, tiles * blocks)
+    _fp8_gemm_kernel[(tiles, blocks, config.split_k)](
+        a, a_scale if a_scale is not None else a, w, w_scale, bias if bias is not None else out, out, part, counters,
         rows if rows is not None else out, tile_expert if tile_expert is not None else out,
-        m, w.shape[1], w.shape[2], experts_per_row, w.shape[0], a.stride(0),
+        m, n, w.shape[2], experts_per_row, w.shape[0], a.stride(0),
         a_scale.stride(0) if a_scale is not None else 0, w.stride(0), w.stride(1), w_scale.stride(0),
         w_scale.stride(1), out.stride(0), SCALE_BLOCK_N=weight_block_rows(w, w_scale), QUANTIZE_A=a_scale is None,
-        GATHER=rows is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-        num_warps=warps, num_stages=stages)
+        GATHER=rows is not None, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=GROUP, SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """See ``engine.kernels.fp8.fp8_linear``. ``config`` (None: ``decode_plan`` up to
+    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch shape."""
     a = x.reshape(-1, x.shape[-1])
     m, n = a.shape[0], weight.shape[0]
     if os.environ.get(GEMM_ENV) == "scaled_mm" and _scaled_mm_fits(a, weight, weight_scale):
@@ -153,7 +228,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     a_scale = None
     if m > FUSED_QUANT_MAX_ROWS:
         a, a_scale = quantize_per_token_group(a)
-    _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, _block_sizes(m)[0]), m)
+    if config is None:
+        config = decode_plan(a, weight, weight_scale, bias) if m <= MAX_ROWS else _block_sizes(m)
+    _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, config.block_m), config)
     return out.view(*x.shape[:-1], n)
 
 
@@ -191,8 +268,8 @@ def fp8_expert_linear(x: torch.Tensor, weights: torch.Tensor, weight_scales: tor
     block_m = 16 if tokens * per_token <= 64 else 64
     rows, tile_expert = _group_by_expert(expert_ids, weights.shape[0], block_m)
     out = torch.zeros(tokens * per_token, n, dtype=x.dtype, device=x.device)
-    _launch(x, None, weights, weight_scales, None, out, tokens, tile_expert.shape[0], block_m, rows, tile_expert,
-            per_token)
+    _launch(x, None, weights, weight_scales, None, out, tokens, tile_expert.shape[0], _block_sizes(block_m), rows,
+            tile_expert, per_token)
     return out.view(tokens, per_token, n)
 
 

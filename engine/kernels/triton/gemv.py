@@ -116,26 +116,34 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     return out
 
 
+def fastest(plans: dict, key, fallback, options):
+    """The fastest choice for ``key``, kept in ``plans``: the first time a key is seen, every entry
+    of ``options()`` (choice -> a call that runs it) is timed on CUDA in this process and the
+    quickest kept. Inside a CUDA-graph capture an unmeasured key gets ``fallback`` (nothing can
+    be timed there). Shared by the decode GEMVs (this one, the FP8 GEMM's split-K configs)."""
+    if key not in plans:
+        if torch.cuda.is_current_stream_capturing():
+            return fallback
+        from triton.testing import do_bench
+
+        timings = {choice: do_bench(run, warmup=2, rep=10) for choice, run in options().items()}
+        plans[key] = min(timings, key=timings.get)
+    return plans[key]
+
+
 _PLANS: dict[tuple, GemvConfig | None] = {}
 
 
 def plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-    """The config for this shape (or ``CUBLAS``), measured once per shape on CUDA; the default
-    config elsewhere (the interpreter). Inside a CUDA-graph capture an unmeasured shape keeps
-    cuBLAS (nothing can be timed there)."""
+    """The config for this shape (or ``CUBLAS``), measured once per shape on CUDA (``fastest``);
+    the default config elsewhere (the interpreter). Inside a CUDA-graph capture an unmeasured
+    shape keeps cuBLAS."""
     if x.device.type != "cuda":
         return DEFAULT
     key = (x.device, x.shape[0], *weight.shape, x.dtype, weight.dtype, bias is not None, activation)
-    if key not in _PLANS:
-        if torch.cuda.is_current_stream_capturing():
-            return CUBLAS
-        from triton.testing import do_bench
-
-        timings = {CUBLAS: do_bench(lambda: reference.decode_gemv(x, weight, bias, activation), warmup=2, rep=10)}
-        for config in CANDIDATES:
-            timings[config] = do_bench(lambda: launch(x, weight, bias, activation, config), warmup=2, rep=10)
-        _PLANS[key] = min(timings, key=timings.get)
-    return _PLANS[key]
+    return fastest(_PLANS, key, CUBLAS, lambda: {
+        CUBLAS: lambda: reference.decode_gemv(x, weight, bias, activation),
+        **{config: lambda config=config: launch(x, weight, bias, activation, config) for config in CANDIDATES}})
 
 
 def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
