@@ -65,16 +65,18 @@ class IncrementalDetokenizer:
             self._pieces, self.length = [kept], len(kept)
 
     def add(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
-        return self.emit(*self.decode(self.windows()), final=False)
+        return detokenize(self.decode, [(self, token_id, False)])[0]
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character at the very end)."""
         return self.emit(*self.decode(self.windows()), final=True)
 
-    def windows(self) -> list[list[int]]:
-        """The ids to decode now: the window's emitted part, and the whole window."""
-        return [self.token_ids[self._prefix_offset:self._read_offset], self.token_ids[self._prefix_offset:]]
+    def windows(self, token_id: int | None = None) -> list[list[int]]:
+        """The ids to decode: the window's emitted part, and the whole window (with ``token_id``
+        appended, when given)."""
+        window = self.token_ids[self._prefix_offset:]
+        return [self.token_ids[self._prefix_offset:self._read_offset], window + [token_id] if token_id is not None
+                else window]
 
     def emit(self, prefix: str, full: str, final: bool) -> str:
         """Take the decoded ``windows()`` and emit what is new and complete."""
@@ -89,8 +91,9 @@ class IncrementalDetokenizer:
 
 def detokenize(decode: BatchDecode, steps: list[tuple[IncrementalDetokenizer, int, bool]]) -> list[str]:
     """Append ``token_id`` to each detokenizer (``final``: flush it too) with one batched decode
-    for all of them; returns each one's new text."""
+    for all of them; returns each one's new text. A decode that raises changes no detokenizer."""
+    windows = [ids for detok, token_id, _ in steps for ids in detok.windows(token_id)]
+    texts = decode(windows)
     for detok, token_id, _ in steps:
         detok.token_ids.append(token_id)
-    texts = decode([ids for detok, _, _ in steps for ids in detok.windows()])
     return [detok.emit(texts[2 * i], texts[2 * i + 1], final) for i, (detok, _, final) in enumerate(steps)]

@@ -374,9 +374,12 @@ class LLMEngine:
                 seq = launched.batch.seqs[entry]
                 if id(seq) in appended:
                     self.outputs.add_logprobs(seq.request_id, (seq.output_token_ids[-1], *item))
-        for seq in self.outputs.process(result.appended):  # a stop string matched
-            self.scheduler.finish(seq.request_id, "stop")
-            self._finished_unreported.append(seq.request_id)
+        stopped, failed = self.outputs.process(result.appended)
+        for seq, reason in [(seq, "stop") for seq in stopped] + [(seq, "error") for seq in failed]:
+            if self.scheduler.finish(seq.request_id, reason):
+                self._finished_unreported.append(seq.request_id)
+            else:  # already finished this step (its text could not be flushed)
+                seq.finish_reason = reason
         self._release_freed()
         return waited
 

@@ -8,8 +8,12 @@ without stop strings) cost nothing here.
 """
 from __future__ import annotations
 
+import logging
+
 from engine.detokenizer import IncrementalDetokenizer, batch_decoder, detokenize
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -60,14 +64,28 @@ class OutputProcessor:
         detok = self._detokenizers.get(request_id)
         return detok.token_ids if detok is not None else []
 
-    def process(self, seqs: list[Sequence]) -> list[Sequence]:
+    def process(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Detokenise each sequence's newest token (flushing a finished one) and match its stop
-        strings in the new text. Returns the unfinished sequences whose stop string matched:
-        the caller ends them with "stop"; a finished one that matched gets "stop" as its reason."""
+        strings in the new text. Returns (the unfinished sequences whose stop string matched: the
+        caller ends them with "stop" — a finished one that matched gets "stop" as its reason; the
+        sequences whose text could not be decoded: the caller fails them alone). One batched
+        decode for all; when it raises, each sequence is decoded on its own to find the culprits."""
         work = [(seq, self._detokenizers[seq.request_id]) for seq in seqs if seq.request_id in self._detokenizers]
         if not work:
-            return []
-        deltas = detokenize(self._decode, [(detok, seq.output_token_ids[-1], seq.is_finished) for seq, detok in work])
+            return [], []
+        steps = [(detok, seq.output_token_ids[-1], seq.is_finished) for seq, detok in work]
+        failed = []
+        try:
+            deltas = detokenize(self._decode, steps)
+        except Exception:
+            deltas = []
+            for (seq, detok), (_, token_id, final) in zip(work, steps):
+                try:
+                    deltas += detokenize(self._decode, [(detok, token_id, final)])
+                except Exception:
+                    log.exception("request %s: its output could not be detokenised", seq.request_id)
+                    failed.append(seq)
+                    deltas.append("")
         stopped = []
         for (seq, detok), delta in zip(work, deltas):
             stops = seq.sampling_params.stop
@@ -81,4 +99,4 @@ class OutputProcessor:
                     seq.finish_reason = "stop"
                 else:
                     stopped.append(seq)
-        return stopped
+        return stopped, failed

@@ -8,7 +8,8 @@
 #      (GPU kernel time per step: the host gap between replays is ms/token minus that);
 #   4. offline throughput, nano-vllm's shape (256 sequences, 100-1,024 in and out, T = 0.6),
 #      overlapped and not: output tok/s, NVML GPU busy (mean), host ms per step;
-#   5. bench serve --launch, 64 concurrent, 512 in / 128 out, overlapped and not: TTFT, ITL.
+#   5. bench serve --launch, 64 concurrent, 512 in / 128 out, overlapped and not: TTFT, ITL;
+#   6. record: benchmarks.json ($OUT/benchmarks.json) from the overlapped reports and the floors.
 # JSON reports and logs go to $OUT; a summary table is printed last.
 #
 #   bash scripts/gpu_overlap.sh              # or: bash scripts/gpu_overlap.sh latency throughput summary
@@ -20,7 +21,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then  # the openai client (phase 10's server 
         .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-SECTIONS=${*:-tests floors latency throughput serve summary}
+SECTIONS=${*:-tests floors latency throughput serve record summary}
 Q8B=(--preset qwen3-8b --random-weights)
 
 run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, record the exit code
@@ -56,6 +57,10 @@ for section in $SECTIONS; do
             run "serve_$mode" 200 python3 -m engine bench serve --launch "${Q8B[@]}" "${extra[@]}" --max-model-len 1024 \
                 --num-prompts 256 --max-concurrency 64 --input-len 512 --output-len 128 --output "$OUT/serve_$mode.json"
         done ;;
+    record)
+        cp benchmarks.json "$OUT/benchmarks.json" 2>/dev/null
+        run record 60 python3 scripts/record_benchmarks.py "$OUT/latency_overlap.json" "$OUT/throughput_overlap.json" \
+            "$OUT/floors.json" --into "$OUT/benchmarks.json" ;;
     summary)
         cat "$OUT/sections.log"
         [ -f "$OUT/cuda_tests.log" ] && tail -3 "$OUT/cuda_tests.log"

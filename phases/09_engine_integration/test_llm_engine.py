@@ -324,3 +324,29 @@ def test_request_progress_follows_the_output(engines, greedy):
         assert engine.request_progress(rid) == (out.text, len(out.token_ids), out.finished)
     engine.pop_request(rid)
     assert_no_block_leaks(engine)
+
+
+def test_a_request_whose_text_fails_fails_alone(engines, monkeypatch):
+    """When the tokenizer raises on one request's tokens, that request ends with "error" and the
+    requests detokenised in the same steps keep their full text (the engine can blame it)."""
+    engine = engines["Qwen2ForCausalLM"]
+    words = ["the quick brown fox", "a garden of light", "river city mountain dark"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    free = engine.generate_tokens([engine.tokenizer.encode(w, add_special_tokens=False) for w in words], params)
+    texts = engine.generate(words, max_new_tokens=MAX_NEW, ignore_eos=True)
+    poison = next(t for t in free[1] if t not in free[0] + free[2])
+    real = engine.outputs._decode
+
+    def decode(id_lists):
+        if any(poison in ids for ids in id_lists):
+            raise RuntimeError("the tokenizer failed")
+        return real(id_lists)
+    monkeypatch.setattr(engine.outputs, "_decode", decode)
+    ids = [engine.add_request(w, params) for w in words]
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = [engine.pop_request(rid) for rid in ids]
+    assert outs[1].finish_reason == "error" and poison in outs[1].token_ids
+    assert [outs[0].text, outs[2].text] == [texts[0], texts[2]]
+    assert outs[0].finish_reason == outs[2].finish_reason == "length"
+    assert_no_block_leaks(engine)
