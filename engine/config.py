@@ -37,9 +37,17 @@ class ModelConfig:
     torch_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
     raw: dict = field(repr=False, compare=False)  # the whole config.json, for family-specific keys
+    # How the linear weights are stored: config.json's quantization_config, or, when asked to quantize a
+    # checkpoint that has none (quantization="fp8"), {"quant_method": "fp8", "online": True}; None: unquantized.
+    # Its fields are checked when the model is built (engine.quantization), before any weight is read.
+    quantization: dict | None = None
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_dict(cls, cfg: dict, quantization: str | None = None) -> "ModelConfig":
+        """``quantization``: None, or "fp8" to quantize the weights at load (a checkpoint that is
+        already quantized keeps its own format)."""
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: the supported method is 'fp8' (or None)")
         archs = cfg.get("architectures") or []
         if isinstance(cfg.get("text_config"), dict):  # multimodal (Qwen2-VL): the language model's dims live here
             cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
@@ -88,10 +96,12 @@ class ModelConfig:
             torch_dtype=_DTYPES.get(dtype_name),
             eos_token_ids=eos_ids,
             raw=cfg,
+            quantization=cfg.get("quantization_config") or (
+                {"quant_method": "fp8", "online": True} if quantization else None),
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path, quantization: str | None = None) -> "ModelConfig":
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -102,7 +112,7 @@ class ModelConfig:
             cfg = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg)
+        return cls.from_dict(cfg, quantization)
 
 
 @dataclass(frozen=True)

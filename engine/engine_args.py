@@ -47,6 +47,9 @@ class EngineArgs:
                                   "CUDA)")
     custom_all_reduce: bool = _option(True, "--disable-custom-all-reduce", "tensor parallel on CUDA: all-reduce with "
                                       "NCCL only (default: symmetric memory for small messages)")
+    quantization: str | None = _option(None, "--quantization", "fp8: quantize a float checkpoint's linear weights to "
+                                       "FP8 at load (128 x 128 blocks, W8A8); FP8 checkpoints are read in their own "
+                                       "format without it", choices=["fp8"])
     overlap: bool = _option(True, "--no-overlap", "run each step to the end before scheduling the next (default: the "
                             "host schedules and postprocesses while the device runs the previous step)")
     speculative: str | None = _option(None, "--speculative", "speculative decoding: ngram drafts the next tokens by "
@@ -91,6 +94,6 @@ class EngineArgs:
                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                          dtype=self.dtype, device=self.device, enable_prefix_caching=self.enable_prefix_caching,
                          enforce_eager=self.enforce_eager, custom_all_reduce=self.custom_all_reduce,
-                         admission=self.admission, overlap=self.overlap, speculative=self.speculative,
-                         num_speculative_tokens=self.num_speculative_tokens, prompt_lookup_min=self.prompt_lookup_min,
-                         prompt_lookup_max=self.prompt_lookup_max)
+                         admission=self.admission, overlap=self.overlap, quantization=self.quantization,
+                         speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                         prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)

@@ -162,6 +162,8 @@ class LLMEngine:
     in the same forward; the tokens equal those of plain decoding (greedy and seeded sampling
     alike), several per step where the drafts hold. The drafts need every token on the host, so
     the steps are synchronous (``overlap`` is turned off, with a log line).
+    ``quantization="fp8"`` quantizes a float checkpoint's linear weights at load (FP8 checkpoints
+    are read in their own format whatever it says).
     """
 
     def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
@@ -171,9 +173,9 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
                  custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True,
                  speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 4):
+                 prompt_lookup_max: int = 4, quantization: str | None = None):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
-        self.config = config = ModelConfig.from_model_dir(model_dir)
+        self.config = config = ModelConfig.from_model_dir(model_dir, quantization)
         model_class = _model_class(config, inference_backend)
         if speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 # Checkpoint tensors with no parameter by design (recomputed buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A per-expert checkpoint tensor's last name part -> the suffix of its stacked parameter's name
+# (experts.<e>.gate_proj.weight_scale_inv -> experts.gate_up_proj_scale_inv).
+EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale_inv"}
 
 
 class LazyTensor:
@@ -88,9 +91,11 @@ def _target(model: nn.Module, name: str) -> tuple[str, object]:
     parts = name.split(".")
     experts = getattr(model, "expert_params", {})
     for i in range(len(parts) - 3):
-        if parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 2] in experts and parts[i + 3] == "weight":
+        if (parts[i] == "experts" and parts[i + 1].isdigit() and parts[i + 2] in experts
+                and parts[i + 3] in EXPERT_TENSORS):
             param, part = experts[parts[i + 2]]
-            return ".".join(parts[:i + 1] + [param] + parts[i + 4:]), (int(parts[i + 1]), part)
+            return (".".join(parts[:i + 1] + [param + EXPERT_TENSORS[parts[i + 3]]] + parts[i + 4:]),
+                    (int(parts[i + 1]), part))
     for i, part in enumerate(parts):
         if part in getattr(model, "packed_modules", {}):
             packed, shard_id = model.packed_modules[part]
@@ -113,10 +118,14 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
     """Load named checkpoint tensors into `model` through each parameter's
     `weight_loader(param, tensor, shard_id)`; tied parameters count once. The model's
     `checkpoint_prefixes` renames name prefixes, or (mapped to None) skips their tensors
-    with one log line per prefix (a multimodal checkpoint's vision tower). A tensor
-    for a shard another rank owns (`param.owns_shard`) is skipped without being read."""
+    with one log line per prefix (a multimodal checkpoint's vision tower), and
+    `checkpoint_suffixes` renames name endings (a quantized checkpoint's scale names). A tensor
+    for a shard another rank owns (`param.owns_shard`) is skipped without being read. Once every
+    parameter is filled, each layer's `quant_method.after_loading(layer)` runs (a weight kept in
+    another form than the checkpoint's, e.g. dequantized)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     prefixes = getattr(model, "checkpoint_prefixes", {})
+    suffixes = getattr(model, "checkpoint_suffixes", {})
     skipped: dict[str, int] = {}
     filled: dict[int, set] = {}
     first_source: dict[int, str] = {}  # parameter id -> the checkpoint tensor that filled it first
@@ -129,6 +138,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
             continue
         if prefix is not None:
             name = prefixes[prefix] + name[len(prefix):]
+        suffix = next((x for x in suffixes if name.endswith(x)), None)
+        if suffix is not None:
+            name = name[:-len(suffix)] + suffixes[suffix]
         param_name, shard_id = _target(model, name)
         param = params.get(param_name)
         if param is None:
@@ -158,6 +170,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | L
             missing.append(n if lacking == {None} else f"{n} (shards {sorted(map(str, lacking))})")
     if missing:
         raise ValueError(f"checkpoint has no tensor for parameter(s): {', '.join(sorted(missing))}")
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is not None:
+            module.quant_method.after_loading(module)
 
 
 def load_checkpoint(model: nn.Module, model_dir: str | Path, progress: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""``python -m gates list | show NN | run [...] | status | audit | diff OLD NEW``; see ``--help``."""
+"""``python -m gates list | show NN | run [...] | status | next | exercise | audit | diff OLD NEW``;
+see ``--help``."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from gates import audit, diff, report
+from gates import audit, diff, next_step, report
 from gates.execute import pytest_command
+from gates.exercise import exercise, select
 from gates.phases import defines_test, discover, has_tests, test_files, topological_order
 from gates.runner import Options, exit_code, run_gates
 from gates.schema import GateError
@@ -50,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
     status = sub.add_parser("status", help="the table of the last report")
     status.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
+    nxt = sub.add_parser("next", help="from the last report: the first phase to work on, its failing tests, the "
+                                      "failure modes they match, its functions still to write, the contract to "
+                                      "read (exit 0 when every phase passed)")
+    nxt.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
+    nxt.add_argument("--json", action="store_true", help="the same as one JSON object (for agents)")
+    ex = sub.add_parser("exercise", help="copy the repository to OUT with the code of some phases replaced by "
+                                         "skeletons (signature, docstring, raise NotImplementedError), to build "
+                                         "them again")
+    which = ex.add_mutually_exclusive_group(required=True)
+    which.add_argument("--only", type=_phase_ids, help="these phases, e.g. 05 or 05,06")
+    which.add_argument("--from", dest="start", type=_phase_id, help="this phase and every later one")
+    ex.add_argument("--out", type=Path, required=True, help="the copy's directory (absent or empty)")
     a = sub.add_parser("audit", help="plant each catalogued fault (gates/mutations) in a copy of the tree and "
                                      "check that the owning phase catches it with the right failure-mode hint")
     a.add_argument("--phase", type=audit.parse_phases, help="mutations owned by these phases: 05, 01,03 or 01..08")
@@ -118,7 +132,9 @@ def cmd_show(root: Path, phase_id: str) -> int:
     gate = phase.load_gate()
     print(f"{gate.id}  {gate.title}\n    {phase.rel}/gate.yaml")
     print(f"depends on: {', '.join(gate.depends_on) or 'none'}")
-    print(f"unlocks:    {', '.join(gate.unlocks) or '-'}")
+    print("unlocks:" + "".join(f"\n  - {u}" for u in gate.unlocks) if gate.unlocks else "unlocks:    -")
+    for note in gate.notes:
+        print(f"  note: {note}")
     print("runs:")
     for run in gate.runs:
         needs = f" [requires {', '.join(run.requires)}]" if run.requires else ""
@@ -186,9 +202,32 @@ def cmd_audit(root: Path, args, argv: list[str]) -> int:
     return code
 
 
+def cmd_next(root: Path, args) -> int:
+    """Exit code 0 when every phase of the tree passed or was skipped, else 1."""
+    advice = next_step.advise(root, report.read_report(args.report or root / "gate-report.json"))
+    print(json.dumps(advice, indent=1, ensure_ascii=False) if args.json else next_step.render(advice))
+    return 0 if advice["status"] == "pass" else 1
+
+
+def cmd_exercise(root: Path, args) -> int:
+    phases = select([p.id for p in discover(root)], args.only, args.start)
+    replaced = exercise(root, args.out, phases)
+    out = args.out.resolve()
+    count = sum(map(len, replaced.values()))
+    print(f"phase(s) {', '.join(sorted(phases))} handed out in {out}: {count} functions in {len(replaced)} "
+          "modules now raise NotImplementedError")
+    for path, names in replaced.items():
+        print(f"  {path}: {len(names)}")
+    python = ".venv/bin/python" if (out / ".venv").exists() else shlex.quote(sys.executable)
+    print(f"next:\n  cd {shlex.quote(str(out))}\n  {python} -m gates run --upto {min(phases)}\n  "
+          f"{python} -m gates next")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 all passed or skipped, 1 a phase
-    failed or was blocked, 2 a bad tree, gate file or selection). ``diff``: 0 nothing
+    failed or was blocked, 2 a bad tree, gate file or selection). ``next``: 0 every phase
+    passed, 1 there is work left. ``diff``: 0 nothing
     regressed, 1 something did (``gates.diff``), 2 a missing or unreadable report."""
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
@@ -201,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             report.print_table(report.read_report(args.report or root / "gate-report.json")["phases"])
             return 0
+        if args.command == "next":
+            return cmd_next(root, args)
+        if args.command == "exercise":
+            return cmd_exercise(root, args)
         if args.command == "audit":
             return cmd_audit(root, args, argv)
         if args.command == "diff":

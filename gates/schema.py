@@ -15,6 +15,7 @@ MODES = ("single", "torchrun")
 REQUIREMENTS = ("cuda",)
 DEFAULT_TIMEOUT_S = 900
 PHASE_ID = re.compile(r"^\d\d$")
+UNLOCK = re.compile(r"^(?P<path>[\w.-]+(?:/[\w.-]+)*)(?:::(?P<qualname>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*))?$")
 
 
 class GateError(ValueError):
@@ -60,6 +61,17 @@ class Gate:
     eager_gate: tuple[Rule, ...]
     done_criteria: tuple[str, ...]
     failure_modes: tuple[FailureMode, ...]
+    notes: tuple[str, ...] = ()
+
+
+def parse_unlock(text: str) -> tuple[str, str]:
+    """An ``unlocks:`` entry, ``path`` or ``path::QualifiedName``, -> (path, qualname or "");
+    ValueError for anything else (an absolute path, ``..``, prose)."""
+    m = UNLOCK.match(text)
+    if not m or ".." in m["path"].split("/"):
+        raise ValueError(f"must be a path relative to the repository root or path::QualifiedName, like "
+                         f"engine/models/qwen.py::QwenAttention (prose goes to notes:); got {text!r}")
+    return m["path"], m["qualname"] or ""
 
 
 class _Checker:
@@ -162,7 +174,7 @@ def parse_gate(data, where: str, expected_id: str) -> Gate:
     """Validate the parsed YAML ``data`` of the gate for phase ``expected_id``."""
     c = _Checker(where)
     c.mapping(data, "", {"id", "title", "depends_on", "unlocks", "runs", "eager_gate",
-                         "done_criteria", "failure_modes"})
+                         "done_criteria", "failure_modes"}, {"notes"})
     gate_id = c.phase_id(data["id"], "id")
     if gate_id != expected_id:
         c.fail("id", f"{gate_id!r} does not match the directory prefix {expected_id!r}")
@@ -170,11 +182,17 @@ def parse_gate(data, where: str, expected_id: str) -> Gate:
                     for i, d in enumerate(c.items(data["depends_on"], "depends_on")))
     if gate_id in depends:
         c.fail("depends_on", "a phase cannot depend on itself")
+    unlocks = c.strings(data["unlocks"], "unlocks")
+    for i, entry in enumerate(unlocks):
+        try:
+            parse_unlock(entry)
+        except ValueError as e:
+            c.fail(f"unlocks[{i}]", str(e))
     return Gate(
         id=gate_id,
         title=c.string(data["title"], "title"),
         depends_on=depends,
-        unlocks=c.strings(data["unlocks"], "unlocks"),
+        unlocks=unlocks,
         runs=tuple(_run(c, r, f"runs[{i}]")
                    for i, r in enumerate(c.items(data["runs"], "runs", non_empty=True))),
         eager_gate=tuple(_rule(c, r, f"eager_gate[{i}]")
@@ -182,6 +200,7 @@ def parse_gate(data, where: str, expected_id: str) -> Gate:
         done_criteria=c.strings(data["done_criteria"], "done_criteria", non_empty=True),
         failure_modes=tuple(_failure_mode(c, f, f"failure_modes[{i}]")
                             for i, f in enumerate(c.items(data["failure_modes"], "failure_modes"))),
+        notes=c.strings(data.get("notes", []), "notes"),
     )
 
 

@@ -158,3 +158,83 @@ def make_tiny_checkpoint(path: Path, arch: str = "Qwen3ForCausalLM", seed: int =
     model.save_pretrained(str(path), max_shard_size="100KB" if sharded else "10GB")
     write_tokenizer(path, config.vocab_size)
     return path
+
+
+# Tiny FP8 checkpoints: every quantized dimension a multiple of 128, also per rank at TP 2
+# (head_dim 128 so the per-rank K/V are whole blocks; DeepSeek's shared experts 2 x 128).
+FP8_CONFIGS: dict[str, dict] = {
+    "Qwen3ForCausalLM": dict(hidden_size=128, intermediate_size=256, head_dim=128, num_attention_heads=4,
+                             num_key_value_heads=2),
+    "DeepseekV3ForCausalLM": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                                  qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_shared_experts=2),
+}
+FP8_MAX = 448.0
+
+
+def fp8_block_quantize(weight: torch.Tensor, block_rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(e4m3 weight, float32 scales) of a [N, K] float weight, each block of ``block_rows`` x 128
+    (the last ones may be smaller) first scaled by its own random factor in [1/8, 8] (so
+    neighbouring blocks' scales differ a lot and a scale read from the wrong block shows), then
+    divided by max|block| / 448. Block-wise scales are [ceil(N/128), ceil(K/128)]; per-channel
+    ones (block_rows 1, one block of all K columns) are [N, 1]."""
+    n, k = weight.shape
+    cols = 128 if block_rows > 1 else k
+    rows, groups = -(-n // block_rows), -(-k // cols)
+    blocks = weight.new_zeros(rows * block_rows, groups * cols, dtype=torch.float64)
+    blocks[:n, :k] = weight
+    blocks = blocks.view(rows, block_rows, groups, cols)
+    blocks = blocks * torch.exp2(torch.empty(rows, 1, groups, 1, dtype=torch.float64).uniform_(-3, 3, generator=gen))
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows * block_rows, groups * cols)
+    return q[:n, :k].contiguous(), scale.reshape(rows, groups).float()
+
+
+def make_tiny_fp8_checkpoint(path: Path, arch: str = "Qwen3ForCausalLM", seed: int = 0, per_channel: bool = False,
+                             ignored: tuple[str, ...] = (), **overrides) -> Path:
+    """A tiny HF checkpoint (``make_tiny_checkpoint`` with ``FP8_CONFIGS[arch]``) whose linear
+    weights (``*_proj.weight`` other than ``ignored`` module names and Qwen2-MoE's
+    ``shared_expert_gate``) are stored in FP8: block-wise (``quant_method: fp8``,
+    ``weight_scale_inv`` per 128 x 128 block, ``ignored_layers``) or, ``per_channel``, as
+    compressed-tensors FP8 dynamic (``weight_scale`` [N, 1], ``ignore``). Embeddings, norms,
+    routers and the LM head stay as they are."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint(path, arch, seed, **{**FP8_CONFIGS.get(arch, {}), **overrides})
+    gen = torch.Generator().manual_seed(seed + 1)
+    scale_name = "weight_scale" if per_channel else "weight_scale_inv"
+    tensors = {}
+    for name, tensor in load_file(str(path / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if "_proj" not in module.rpartition(".")[2] or tensor.dim() != 2 or module in ignored:
+            tensors[name] = tensor
+            continue
+        tensors[name], tensors[f"{module}.{scale_name}"] = fp8_block_quantize(tensor, 1 if per_channel else 128, gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if per_channel:
+        quantization = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignored),
+                        "config_groups": {"group_0": {
+                            "targets": ["Linear"],
+                            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False,
+                                        "symmetric": True},
+                            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                  "dynamic": True, "symmetric": True}}}}
+    else:
+        quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                        "weight_block_size": [128, 128], "ignored_layers": list(ignored)}
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}, indent=2))
+    return path
+
+
+def written_once(make):
+    """``make()`` (writes a checkpoint, returns its path) in this process, or, under torchrun (a
+    process group initialised), on rank 0 only, every rank getting the path after a barrier."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return make()
+    path = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    dist.barrier()
+    return path[0]

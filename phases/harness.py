@@ -181,22 +181,23 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_step(fn, monkeypatch) -> OpCounter:
-    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call
-    marked and every host read of a tensor recorded."""
+    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call (``engine.kernels``
+    and its FP8 ops, ``engine.kernels.fp8``) marked and every host read of a tensor recorded."""
     from engine import kernels
+    from engine.kernels import fp8
 
     counter = OpCounter()
-    for name in kernels.__all__:
-        real = getattr(kernels, name)
+    for module, name in [(m, n) for m in (kernels, fp8) for n in m.__all__]:
+        real = getattr(module, name)
 
         def inside(*args, _real=real, _name=name, **kwargs):
             counter.kernel_calls[_name] = counter.kernel_calls.get(_name, 0) + 1
-            counter.in_kernel = True
+            outer, counter.in_kernel = counter.in_kernel, True  # an op may call another (FP8 shape checks)
             try:
                 return _real(*args, **kwargs)
             finally:
-                counter.in_kernel = False
-        monkeypatch.setattr(kernels, name, inside)
+                counter.in_kernel = outer
+        monkeypatch.setattr(module, name, inside)
     for method in ("item", "tolist", "numpy", "cpu"):
         real = getattr(torch.Tensor, method)
 
@@ -207,6 +208,25 @@ def count_step(fn, monkeypatch) -> OpCounter:
     with torch.no_grad(), counter:
         fn()
     return counter
+
+
+def decode_step_ops(model, monkeypatch) -> OpCounter:
+    """What one decode step of ``model`` does (``count_step``): two sequences prefilled (7 and 3
+    tokens, block size 16, the KV cache bound here), then one decode token each."""
+    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+    from engine.kv_cache import bind_kv_cache
+
+    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
+    positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    with torch.no_grad():
+        model(torch.arange(2, 12), positions)
+    positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
+    set_context(ctx)
+    try:
+        return count_step(lambda: model.compute_logits(model(torch.tensor([5, 6]), positions)), monkeypatch)
+    finally:
+        reset_context()
 
 
 def assert_no_host_sync_and_no_copies(ops: OpCounter) -> None:

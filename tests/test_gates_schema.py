@@ -8,7 +8,7 @@ import yaml
 
 from gate_trees import gate
 from gates.phases import select, topological_order
-from gates.schema import GateError, load_gate, parse_gate
+from gates.schema import GateError, load_gate, parse_gate, parse_unlock
 
 WHERE = "phases/05_p/gate.yaml"
 
@@ -23,7 +23,10 @@ def valid() -> dict:
 
 
 def test_valid_gate_parses_into_typed_fields():
-    g = parse_gate(valid(), WHERE, "05")
+    g = parse_gate(valid() | {"unlocks": ["engine/kv_cache.py", "engine/kernels", "engine/m.py::A.f"],
+                              "notes": ["why"]}, WHERE, "05")
+    assert g.unlocks == ("engine/kv_cache.py", "engine/kernels", "engine/m.py::A.f") and g.notes == ("why",)
+    assert parse_unlock("engine/m.py::A.f") == ("engine/m.py", "A.f") and parse_unlock("engine") == ("engine", "")
     assert g.id == "05" and g.depends_on == ("01", "03")
     assert [r.mode for r in g.runs] == ["single", "torchrun", "single"]
     assert g.runs[1].nproc == (2, 4) and g.runs[1].timeout_s == 60
@@ -73,6 +76,12 @@ BROKEN = {
     "failure mode without tests": (_set(["failure_modes", 0, "tests"], []),
                                    "failure_modes[0].tests: must not be empty"),
     "done_criteria empty": (_set(["done_criteria"], []), "done_criteria: must not be empty"),
+    "unlocks prose": (_set(["unlocks"], ["engine/model_runner.py (CUDA graphs)"]),
+                      "unlocks[0]: must be a path relative to the repository root or path::QualifiedName"),
+    "unlocks absolute": (_set(["unlocks"], ["engine/x.py", "/engine/x.py"]), "unlocks[1]: must be a path"),
+    "unlocks up a level": (_set(["unlocks"], ["engine/../x.py"]), "unlocks[0]: must be a path"),
+    "unlocks bad qualname": (_set(["unlocks"], ["engine/x.py::A..b"]), "unlocks[0]: must be a path"),
+    "notes not strings": (_set(["notes"], [{"a": "b"}]), "notes[0]: must be a non-empty string"),
 }
 
 

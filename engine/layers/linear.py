@@ -8,9 +8,15 @@ current default dtype and device. Every parameter carries
 says it already holds this rank's shard, which is copied as is. A tensor of any
 other shape is a ValueError naming both shapes, so a shard-shaped tensor is never
 mistaken for a full one (a [4, 4] tensor never loads into a tp=2 row layer with in=8).
+
+A layer computes through its ``quant_method`` (``UnquantizedLinear``: ``F.linear`` on the
+weight; a quantization scheme swaps in its own, e.g. FP8 weights with block scales). A
+parameter that holds one entry per ``block_rows`` weight rows (a block-scale grid) is
+narrowed in whole blocks by the packed layers' loaders (``narrow_rows``).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -23,9 +29,25 @@ from engine.distributed import TPGroup, all_gather_last_dim, all_reduce_sum, get
 WeightLoader = Callable[..., None]  # (param, loaded, shard_id=None, presliced=False) -> None
 
 
+_deferred = False
+
+
+@contextmanager
+def deferred_parameters():
+    """Inside, ``new_parameter`` makes parameters on the meta device (no memory): a builder that
+    gives some of them another form (quantized weights) makes the real ones after construction."""
+    global _deferred
+    previous, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = previous
+
+
 def new_parameter(*shape: int, weight_loader: WeightLoader) -> nn.Parameter:
-    """An uninitialised, frozen parameter of the default dtype/device with its loader attached."""
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    """An uninitialised, frozen parameter of the default dtype/device (meta inside
+    ``deferred_parameters``) with its loader attached."""
+    param = nn.Parameter(torch.empty(*shape, device="meta" if _deferred else None), requires_grad=False)
     param.weight_loader = weight_loader
     return param
 
@@ -36,6 +58,26 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if kernels.decode_gemv_applies(x):
         return kernels.decode_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def narrow_rows(param: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """``param.data`` rows for weight rows ``[start, start + length)``: the same rows, or the blocks
+    covering them when ``param.block_rows`` weight rows share one entry (start on a block edge)."""
+    rows = getattr(param, "block_rows", 1)
+    return param.data.narrow(0, start // rows, -(-length // rows))
+
+
+class UnquantizedLinear:
+    """The default ``quant_method`` of the linear layers: ``y = x W^T + b`` on the layer's weight."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return dense(x, layer.weight, bias)
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Nothing to do once the checkpoint is loaded."""
+
+
+UNQUANTIZED = UnquantizedLinear()
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -65,6 +107,8 @@ class ReplicatedLinear(nn.Module):
     """``y = x W^T + b`` with the whole W on every rank (small projections every rank needs
     in full, e.g. MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``): ``[..., in] -> [..., out]``."""
 
+    quant_method = UNQUANTIZED
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = new_parameter(out_features, in_features, weight_loader=self.weight_loader)
@@ -75,12 +119,14 @@ class ReplicatedLinear(nn.Module):
         load_shard(param.data, loaded, 0, 0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W split by output rows: ``[..., in] -> [..., out / tp]``,
     or ``[..., out]`` when ``gather_output`` (rank order)."""
+
+    quant_method = UNQUANTIZED
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  gather_output: bool = False, tp: TPGroup | None = None):
@@ -96,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
         load_shard(param.data, loaded, 0, self.tp.rank, self.tp.size, presliced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return all_gather_last_dim(y, self.tp.name) if self.gather_output and self.tp.size > 1 else y
 
 
@@ -114,8 +160,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       presliced: bool = False) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"shard_id must be one of 0..{len(self.local_sizes) - 1}, got {shard_id!r}")
-        offset = sum(self.local_sizes[:shard_id])
-        dst = param.data.narrow(0, offset, self.local_sizes[shard_id])
+        dst = narrow_rows(param, sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id])
         load_shard(dst, loaded, 0, self.tp.rank, self.tp.size, presliced)
 
 
@@ -149,11 +194,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None,
                       presliced: bool = False) -> None:
         if shard_id == "q":
-            dst = param.data.narrow(0, 0, self.q_size)
+            dst = narrow_rows(param, 0, self.q_size)
             load_shard(dst, loaded, 0, self.tp.rank, self.tp.size, presliced)
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            dst = param.data.narrow(0, offset, self.kv_size)
+            dst = narrow_rows(param, offset, self.kv_size)
             load_shard(dst, loaded, 0, self.kv_head_start // self.num_kv_heads, self.kv_shard_count, presliced)
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
@@ -165,6 +210,8 @@ class RowParallelLinear(nn.Module):
     For tp > 1 the partial products are summed by one ``all_reduce_sum`` and the
     (replicated) bias is added once, after it.
     """
+
+    quant_method = UNQUANTIZED
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None):
         super().__init__()
@@ -182,6 +229,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return dense(x, self.weight, self.bias)
-        y = all_reduce_sum(F.linear(x, self.weight), self.tp.name)
+            return self.quant_method.apply(self, x, self.bias)
+        y = all_reduce_sum(self.quant_method.apply(self, x, None), self.tp.name)
         return y if self.bias is None else y + self.bias

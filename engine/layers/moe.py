@@ -88,7 +88,10 @@ class RoutedExperts(nn.Module):
     host; more tokens (prefill): assignments are sorted by expert and two grouped GEMMs run
     every local expert on its own rows. Only under EP (``E_local < E``) are the ids mapped to
     local ones and other ranks' experts marked (zero weight); with one rank nothing is.
+    Quantized experts (``quant_method`` set by a quantization scheme) take one path at every size.
     """
+
+    quant_method = None  # a quantization scheme's experts method: apply(layer, x, weights, local ids)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, ep: TPGroup):
         super().__init__()
@@ -124,8 +127,9 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"expert {expert} is not on this rank (it holds experts "
                              f"{self.expert_start}..{self.expert_start + self.num_local - 1})")
         dst = param.data[expert - self.expert_start]
-        if param is self.gate_up_proj:
-            dst = dst.narrow(0, part * self.intermediate_size, self.intermediate_size)
+        if getattr(param, "scale_of", param) is self.gate_up_proj:  # the weight, or its block scales
+            rows = getattr(param, "block_rows", 1)
+            dst = dst.narrow(0, part * self.intermediate_size // rows, -(-self.intermediate_size // rows))
         if tuple(loaded.shape) != tuple(dst.shape):
             raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not match {tuple(dst.shape)}")
         dst.copy_(loaded)
@@ -134,7 +138,9 @@ class RoutedExperts(nn.Module):
                 add: torch.Tensor | None = None) -> torch.Tensor:
         """``add [T, H]`` (e.g. the shared experts' output) is summed in the combining batched GEMM."""
         weights = weights.to(x.dtype)
-        if ids.numel() <= self.num_local:
+        if self.quant_method is not None:  # quantized experts: one path at every size (id -1: another rank's)
+            path, foreign_id = self._quantized, -1
+        elif ids.numel() <= self.num_local:
             path, foreign_id = self._gathered, -1
         elif x.shape[0] <= DENSE_MAX_TOKENS:
             path, foreign_id = self._dense, 0  # its routing weight is zero: expert 0 adds nothing
@@ -154,6 +160,11 @@ class RoutedExperts(nn.Module):
         if add is None:
             return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)
         return torch.baddbmm(add.unsqueeze(1), weights.unsqueeze(1), rows).squeeze(1)
+
+    def _quantized(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   add: torch.Tensor | None) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, weights, ids)
+        return y if add is None else y + add
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   add: torch.Tensor | None) -> torch.Tensor:

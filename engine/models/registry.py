@@ -2,6 +2,7 @@
 building a model directly in its final dtype and device."""
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +26,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
 }
+
+
+# Builds a model whose linear weights are quantized (config.quantization set); imported only then.
+QUANTIZED_BUILDER = "engine.quantization.build"
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
@@ -57,8 +62,13 @@ def creating_in(dtype: torch.dtype, device: torch.device | str):
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
                 tp: TPGroup | None = None, cls: type[nn.Module] | None = None) -> nn.Module:
     """Instantiate ``cls`` (default: the class routed from `config`) with uninitialised
-    parameters created directly in `dtype` on `device` (never a float32 copy first)."""
+    parameters created directly in `dtype` on `device` (never a float32 copy first). A quantized
+    config (``config.quantization``) is built by ``QUANTIZED_BUILDER``: its linear weights in
+    their stored form, everything else in `dtype`."""
     device = torch.device(device)
     dtype = dtype or default_dtype(config, device)
+    if config.quantization is not None:
+        builder = importlib.import_module(QUANTIZED_BUILDER)
+        return builder.build_quantized_model(cls or model_class(config), config, device, dtype, tp)
     with creating_in(dtype, device):
         return (cls or model_class(config))(config, tp)

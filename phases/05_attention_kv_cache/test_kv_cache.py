@@ -4,16 +4,20 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from engine.distributed import TPGroup
 from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
-from engine.models.qwen import QwenForCausalLM
+from engine.models.qwen import QwenAttention
 from phases.harness import engine_config
 
 
 def tiny_model(rank=0, size=1):
+    """One Qwen attention per layer of the tiny config: the cache-owning part of the model
+    (the whole model needs phases 06 and 07)."""
     cfg = engine_config()
-    return cfg, QwenForCausalLM(cfg, TPGroup(rank=rank, size=size))
+    tp = TPGroup(rank=rank, size=size)
+    return cfg, nn.ModuleList(QwenAttention(cfg, tp) for _ in range(cfg.num_hidden_layers))
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

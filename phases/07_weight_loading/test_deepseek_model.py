@@ -9,7 +9,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine import loader
-from engine.attention_context import decode_context, prefill_context, reset_context, set_context
 from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache, kv_bytes_per_token
@@ -20,7 +19,7 @@ from phases.checkpoints import V2_LITE
 from phases.harness import (
     all_logits_step,
     assert_no_host_sync_and_no_copies,
-    count_step,
+    decode_step_ops,
     num_blocks_for,
     rel_err,
     run_paged,
@@ -211,15 +210,4 @@ class _Recorder:
 
 def test_deepseek_decode_step_has_no_host_sync_and_no_clone(tiny_checkpoint, monkeypatch):
     model = load_deepseek(make_checkpoint(tiny_checkpoint, "V3", seed=5))
-    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
-    positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
-        model(torch.arange(2, 12), positions)
-    positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    try:
-        ops = count_step(lambda: model.compute_logits(model(torch.tensor([5, 6]), positions)), monkeypatch)
-    finally:
-        reset_context()
-    assert_no_host_sync_and_no_copies(ops)
+    assert_no_host_sync_and_no_copies(decode_step_ops(model, monkeypatch))

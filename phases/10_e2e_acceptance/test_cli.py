@@ -64,6 +64,15 @@ def test_cli_generate_matches_hf(model_dir, hf_text):
     assert all(hf_text(p) for p in prompts), "an empty continuation proves nothing"
 
 
+def test_cli_with_no_model_completes_python():
+    """With no --model the demo model shipped in engine/default_model answers."""
+    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", "def fibonacci(n):",
+                          "--max-tokens", "24", "--seed", "0"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("def fibonacci(n):") and len(out.stdout) > len("def fibonacci(n):") + 10
+    assert "Qwen3ForCausalLM" in out.stderr and "default_model" in out.stderr
+
+
 def test_cli_generate_names_a_rejected_prompt_and_fails(model_dir, hf_text):
     """A prompt longer than --max-model-len is named on stderr with the reason and the exit
     code is 1; the other prompt of the batch still prints its completion."""

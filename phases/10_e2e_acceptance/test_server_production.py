@@ -286,3 +286,29 @@ def test_a_client_that_never_reads_does_not_stall_the_others(served, client, ora
     finally:
         silent.close()
     wait_idle(served.engine_loop)
+
+
+def test_benchmark_and_eval_client_payloads_work_unchanged(served, client):
+    """The bodies vLLM's and SGLang's serving benchmarks and lm-eval's local-completions send, as
+    they send them: answered (vLLM's streamed, with a usage chunk); lm-eval's loglikelihood body
+    (echo, prompt logprobs) is refused with a 400 naming echo."""
+    vllm = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 5,
+            "logprobs": None, "best_of": 1, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    sglang = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0.0, "best_of": 1, "max_tokens": 5,
+              "stream": False, "ignore_eos": True, "lora_path": None}
+    lm_eval = {"prompt": [PROMPTS[2], PROMPTS[3]], "model": "tiny", "max_tokens": 5, "temperature": 0,
+               "stop": ["\n\n"], "seed": 1234, "until": ["\n\n"], "do_sample": False}
+    status, raw = http(served.url + "/v1/completions", vllm)
+    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    assert status == 200 and events[-1]["usage"]["completion_tokens"] == 5
+    for body in (sglang, lm_eval):
+        status, raw = http(served.url + "/v1/completions", body)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert len(answer["choices"]) == (len(body["prompt"]) if isinstance(body["prompt"], list) else 1)
+        assert all(c["text"] for c in answer["choices"])
+    loglikelihood = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                     "seed": 1234, "echo": True}
+    status, raw = http(served.url + "/v1/completions", loglikelihood)
+    assert status == 400 and assert_error_object(raw, "echo")

@@ -1,0 +1,121 @@
+"""FP8 on the GPU: the GEMMs against bf16 cuBLAS, and FP8 against bf16 on the same random weights.
+
+    python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
+    python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
+
+``gemm``: each decoder linear shape of the preset at M = 1, 16, 256 and 4096 rows: bf16 cuBLAS
+(``F.linear``), ``kernels.fp8.fp8_linear`` with the Triton GEMM (the default) and with
+``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling), microseconds per call (CUDA
+events around CUDA-graph replays, median of 20) and TB/s of weight bytes at M = 1.
+
+``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
+(``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
+teacher-forced over it: per prompt the first position where the FP8 argmax differs and the
+bf16 model's top-1 minus top-2 logit there (a near-tie is a small gap), and the relative
+logits error over all positions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_floors import graph_ms, linear_shapes  # noqa: E402
+
+from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.kernels import fp8  # noqa: E402
+
+
+def graph_us(fn) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph (20 replays)."""
+    return graph_ms(fn, 20) * 1000
+
+
+def bench_gemm(preset: dict) -> list[dict]:
+    rows = []
+    layer, _ = linear_shapes(preset)
+    for n, k in layer:
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q, scales = fp8.quantize_weight(weight)
+        for m in (1, 16, 256, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"n": n, "k": k, "m": m, "bf16_us": graph_us(lambda: F.linear(x, weight))}
+            for gemm in ("triton", "scaled_mm"):
+                os.environ["AGENT_INFER_FP8_GEMM"] = gemm
+                row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
+            os.environ.pop("AGENT_INFER_FP8_GEMM")
+            if m == 1:
+                row.update({f"{kind}_tb_s": bytes_ / row[f"{kind}_us"] / 1e6 for kind, bytes_ in
+                            (("bf16", 2 * n * k), ("fp8_triton", n * k), ("fp8_scaled_mm", n * k))})
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def build(preset: dict, quantization: str | None):
+    from engine.loader import load_weights
+    from engine.models.registry import build_model
+
+    model = build_model(ModelConfig.from_dict(preset, quantization), "cuda", torch.bfloat16)
+    load_weights(model, random_checkpoint(preset, 0, torch.device("cuda"), torch.bfloat16), progress=False)
+    return model.eval()
+
+
+def logits_of(model, sequence: torch.Tensor) -> torch.Tensor:
+    from engine.kv_cache import bind_kv_cache
+    from phases.harness import all_logits_step, num_blocks_for, run_paged
+
+    bind_kv_cache(model, num_blocks_for([len(sequence)], 16), 16, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        return run_paged(all_logits_step(model), [sequence], [len(sequence)], 16)[0].float()
+
+
+def bench_agreement(preset: dict, prompts: int, prompt_len: int, tokens: int) -> dict:
+    bf16, quantized = build(preset, None), build(preset, "fp8")
+    gen = torch.Generator().manual_seed(0)
+    results, errors = [], []
+    for _ in range(prompts):
+        sequence = torch.randint(0, preset["vocab_size"], (prompt_len,), generator=gen).cuda()
+        for _ in range(tokens):  # bf16 greedy (one prefill per token: simple, not fast)
+            sequence = torch.cat([sequence, logits_of(bf16, sequence)[-1].argmax().view(1)])
+        ref, got = logits_of(bf16, sequence)[prompt_len - 1:-1], logits_of(quantized, sequence)[prompt_len - 1:-1]
+        differ = (ref.argmax(-1) != got.argmax(-1)).nonzero().flatten().tolist()
+        first = differ[0] if differ else None
+        gap = None if first is None else float(ref[first].topk(2).values.diff().abs())
+        results.append({"first_divergence": first, "bf16_top2_gap_there": gap, "positions_differing": len(differ)})
+        errors.append(float((got - ref).norm() / ref.norm()))
+    return {"tokens": tokens, "prompts": results, "relative_logits_error": errors}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["gemm", "agreement"])
+    parser.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    report = {"preset": args.preset, "device": torch.cuda.get_device_name()}
+    if args.what == "gemm":
+        report["gemm"] = bench_gemm(preset)
+    else:
+        report["agreement"] = bench_agreement(preset, args.prompts, args.prompt_len, args.tokens)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
