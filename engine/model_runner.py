@@ -177,7 +177,10 @@ class ModelRunner:
         self.sampling = SamplingRows(self.pad_row + 1, config.vocab_size, max_rows, device, Sampler(tp),
                                      eos_token_ids)
         self._row_of: dict[str, int] = {}
-        self._blocks_on_device: dict[str, int] = {}
+        self._tables_on_device: dict[str, list[int]] = {}  # request id -> its block ids written to its row
+        # a verify step's blocks past the accepted tokens are freed and others taken later: the
+        # last blocks one draft can reach are compared with the table each step
+        self._retaken_blocks = -(-max_draft_tokens // block_size) + 1 if max_draft_tokens else 0
         self._free_rows = list(range(self.pad_row - 1, -1, -1))
         # static decode inputs (rows IDS..SAMPLED) and the gathered block tables
         self.decode_inputs = torch.zeros(SAMPLED + 1, max_rows, dtype=torch.int64, device=device)
@@ -240,11 +243,12 @@ class ModelRunner:
         row = self._row_of.pop(seq.request_id, None)
         if row is not None:
             self._free_rows.append(row)
-            del self._blocks_on_device[seq.request_id]
+            del self._tables_on_device[seq.request_id]
 
     def _sync_rows(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's row. A new sequence gets one, and its sampling parameters are written
-        into the row's sampling columns; every block appended since the last step is written
+        into the row's sampling columns; every block appended since the last step, or changed since
+        (the blocks of rejected drafts are freed, and others taken for the next drafts), is written
         into the device table: one copy of (row, column, block) triples, one index_put."""
         rows, cols, blocks, new = [], [], [], []
         for seq in seqs:
@@ -254,14 +258,19 @@ class ModelRunner:
                 if not self._free_rows:
                     raise RuntimeError(f"more sequences than block-table rows ({self.pad_row})")
                 row = self._row_of[rid] = self._free_rows.pop()
-                self._blocks_on_device[rid] = 0
+                self._tables_on_device[rid] = []
                 new.append((row, seq))
-            known, table = self._blocks_on_device[rid], seq.block_table
-            if len(table) > known:
-                rows.append([row] * (len(table) - known))
-                cols.append(range(known, len(table)))
-                blocks.append(table[known:])
-                self._blocks_on_device[rid] = len(table)
+            written, table = self._tables_on_device[rid], seq.block_table
+            same = min(len(written), len(table))
+            for j in range(max(0, len(written) - self._retaken_blocks), same):
+                if table[j] != written[j]:
+                    same = j
+                    break
+            if len(table) > same:
+                rows.append([row] * (len(table) - same))
+                cols.append(range(same, len(table)))
+                blocks.append(table[same:])
+            written[same:] = table[same:]
         if rows:
             update = torch.tensor([list(chain.from_iterable(part)) for part in (rows, cols, blocks)], dtype=torch.int64)
             update = to_device(update, self.device)

@@ -98,7 +98,7 @@ class SamplingRows:
         row_samples = batch.samples + [True] * (batch.num_rows - len(batch))
         for i, (seq, samples, step) in enumerate(zip(batch.row_seqs, row_samples, steps)):
             params = seq.sampling_params
-            if params.temperature > 0 and i < len(batch):
+            if params.temperature > 0:
                 sampled.append(i)
             if not samples:
                 continue

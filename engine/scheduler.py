@@ -44,8 +44,10 @@ never share blocks computed in that same step, and a failed step (``fail_in_flig
 publishes nothing.
 
 Speculative decoding (a ``drafter``; only with nothing in flight, so every token is known):
-after the step's decodes, prefill chunks and admissions, each decode entry — oldest first,
-from the token budget and the free blocks left — may carry drafted tokens: its last token
+after the step's decodes and before its prefill chunks and admissions (as vLLM schedules
+running requests' drafts first, so a request's drafts never depend on the prompts beside it
+while the budget holds them), each decode entry — oldest first, from the token budget and the
+free blocks left — may carry drafted tokens: its last token
 plus ``k`` drafts at positions ``start .. start + k``, every one of them sampled (a verify
 entry). ``postprocess`` accepts the longest prefix of the drafts that equals the tokens the
 step sampled after them, appends those and the sampled token that follows (1 .. k + 1 tokens,
@@ -87,6 +89,10 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.drafts:  # a batch built without drafts has none for each entry
+            self.drafts = [[] for _ in self.seqs]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -227,8 +233,10 @@ class Scheduler:
         self.preempted = []
         self.needs_drain = False
         batch = ScheduledBatch()
-        num_decodes = self._schedule_decodes(batch)
-        budget = self.max_num_batched_tokens - num_decodes
+        self._schedule_decodes(batch)
+        if self.drafter is not None and not self._in_flight:
+            self._draft(batch)
+        budget = self.max_num_batched_tokens - batch.total_tokens
         prefilling = False
         for seq in self.running:
             if seq.status is SequenceStatus.RUNNING_PREFILL and budget > 0:
@@ -236,8 +244,6 @@ class Scheduler:
                 prefilling = True
         if not self.needs_drain:
             self._admit(batch, budget, prefilling)
-        if self.drafter is not None and not self._in_flight:
-            self._draft(batch, num_decodes)
         if batch.seqs:
             self._in_flight.append(batch)
         return batch
@@ -397,14 +403,13 @@ class Scheduler:
             budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             prefilling = True
 
-    def _draft(self, batch: ScheduledBatch, num_decodes: int) -> None:
-        """Give the batch's first ``num_decodes`` entries (the decodes) drafted tokens, oldest
+    def _draft(self, batch: ScheduledBatch) -> None:
+        """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest
         first, while the token budget and free blocks last: at most what keeps the step within
         ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties
         or logprobs take none."""
         budget = self.max_num_batched_tokens - batch.total_tokens
-        for i in range(num_decodes):
-            seq, start = batch.seqs[i], batch.starts[i]
+        for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             params = seq.sampling_params
             # the step samples len(draft) + 1 tokens; num_tokens already counts the first
             room = min(budget, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)

@@ -30,6 +30,15 @@ def repeating_prompts(seed: int) -> list[list[int]]:
             prefix + words(6), prefix + phrase * 4]
 
 
+def covering_prompt(seed: int) -> list[int]:
+    """Every token id once, in a random order, then a few of them again: whatever token a model
+    samples first occurred before, so the first decode drafts (prompt_lookup_min = 1)."""
+    rng = random.Random(seed)
+    tokens = list(range(VOCAB))
+    rng.shuffle(tokens)
+    return tokens + tokens[:5]
+
+
 def run(engine: LLMEngine, prompts: list[list[int]], params, abort_after: dict[int, int] | None = None):
     """Submit every prompt, step until done, aborting prompt i once ``abort_after[i]`` steps have
     given it tokens. Returns the outputs (token ids, text, finish reason) and, per prompt, the

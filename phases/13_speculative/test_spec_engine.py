@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+import spec_cases as cases
 from engine.bench.spec import edit_workload
 from engine.engine_args import EngineArgs
 from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
@@ -35,21 +36,26 @@ def inside_a_run(runs: list[int]) -> list[int]:
     return [start + j for start, n in zip(starts, runs) for j in range(n - 1)]
 
 
-def stop_params(engine: LLMEngine, free: list[int], runs: list[int], kind: str) -> tuple[SamplingParams, int] | None:
-    """Parameters that end a request at a token of its free greedy run, inside an accepted run
-    where one fits, else anywhere: the token's first occurrence as a stop token id or as the
-    checkpoint's EOS (``eos``: the caller makes it one), a stop string it first completes, or
-    max_tokens. Returns them and that output index (None: no token fits)."""
+def stop_params(engine: LLMEngine, free: list[int], runs: list[int], kind: str,
+                inside_only: bool) -> tuple[SamplingParams, int] | None:
+    """Parameters that end a request at a token of its free greedy run (inside an accepted run
+    when ``inside_only``): the token's first occurrence as a stop token id or as the checkpoint's
+    EOS (``eos``: the caller makes it one), a stop string it first completes, or max_tokens.
+    Returns them and that output index (None: no token fits)."""
     greedy = dict(temperature=0.0, max_tokens=MAX_NEW)
-    texts = [engine.tokenizer.decode(free[:m + 1]) for m in range(len(free))]
+
+    def decode(ids):  # as the engine's output text: special tokens skipped
+        return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    texts = [decode(free[:m + 1]) for m in range(len(free))]
     inside = inside_a_run(runs)
-    for j in inside + [j for j in range(1, len(free) - 1) if j not in inside]:
+    for j in inside if inside_only else range(1, len(free) - 1):
         if kind == "eos" and free[j] not in free[:j]:
             return SamplingParams(**greedy), j
         if kind == "stop_id" and free[j] not in free[:j]:
             return SamplingParams(**greedy, stop_token_ids=[free[j]], ignore_eos=True), j
         if kind == "stop_string":
-            stop = engine.tokenizer.decode(free[j - 1:j + 1]).strip()
+            stop = decode(free[j - 1:j + 1]).strip()
             if stop and stop in texts[j] and not any(stop in t for t in texts[:j]):
                 return SamplingParams(**greedy, stop=[stop], ignore_eos=True), j
         if kind == "max_tokens":
@@ -67,9 +73,11 @@ def with_eos(path, token_id: int, tmp_path):
     return copy
 
 
-def code_prompts(tokenizer, count: int = 6) -> list[list[int]]:
-    """The bench's code-editing prompts (a held-out function, then the start of it again)."""
-    return [tokenizer.encode(prompt, add_special_tokens=False) for prompt, _ in edit_workload()[:count]]
+def code_prompts(tokenizer, count: int = 6, longest: int = 150) -> list[list[int]]:
+    """The bench's first ``count`` code-editing prompts (a held-out function, then the start of it
+    again) of at most ``longest`` tokens (so that a pool one of them fills runs two at once)."""
+    prompts = [tokenizer.encode(prompt, add_special_tokens=False) for prompt, _ in edit_workload()]
+    return [p for p in prompts if len(p) <= longest][:count]
 
 
 @pytest.mark.parametrize("model", ["demo", *ARCHS])
@@ -85,38 +93,47 @@ def test_greedy_speculation_gives_the_tokens_and_texts_of_plain_decoding(checkpo
     path = DEFAULT_MODEL_DIR if model == "demo" else checkpoints[model]
     args = {**ENGINE_ARGS, "max_num_batched_tokens": 64, "max_model_len": 512} if model == "demo" else ENGINE_ARGS
     probe = LLMEngine(path, **SPEC, **args)
-    prompts = code_prompts(probe.tokenizer) if model == "demo" else repeating_prompts(seed=3)
+    prompts = code_prompts(probe.tokenizer, 7) if model == "demo" else repeating_prompts(seed=3)
+    prompts.sort(key=len, reverse=True)  # the two longest first: run free, the tiny pool preempts one
     free_outs, free_runs, _ = run(probe, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
                                                                   ignore_eos=True))
     assert probe.scheduler.num_accepted_tokens > 0
-    aborted = 1
+    aborted = len(prompts) - 1
     chosen = {}  # kind -> (prompt, params, output index)
     for kind in ("eos", "stop_id", "stop_string", "max_tokens"):
-        chosen[kind] = next((i, *found) for i in range(len(prompts)) if i != aborted
-                            and i not in {c[0] for c in chosen.values()}
-                            and (found := stop_params(probe, free_outs[i][0], free_runs[i], kind)))
+        chosen[kind] = next((i, *found) for inside_only in (True, False) for i in range(2, aborted)
+                            if i not in {c[0] for c in chosen.values()}
+                            and (found := stop_params(probe, free_outs[i][0], free_runs[i], kind, inside_only)))
     path = with_eos(path, free_outs[chosen["eos"][0]][0][chosen["eos"][2]], tmp_path)
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)] * len(prompts)
     for i, sampling, _ in chosen.values():
         params[i] = sampling
-    tiny_pool = 3 * -(-(max(map(len, prompts)) + MAX_NEW) // args["block_size"]) // 2
+    blocks = [-(-n // args["block_size"]) for n in map(len, prompts)]
+    # the first two prompts fit together (and the watermark), not their outputs; the longest request fits alone.
+    # Both prefill in the first step (else the first one's drafts hold the blocks the second one waits for)
+    tiny_pool = max(-(-(max(map(len, prompts)) + MAX_NEW) // args["block_size"]), blocks[0] + blocks[1] + 2)
+    tiny_args = {**args, "max_num_batched_tokens": len(prompts[0]) + len(prompts[1])}
     results = {}
     for pool in (None, tiny_pool):
         for name, extra in (("plain", dict(overlap=False)), ("spec", SPEC)):
-            engine = LLMEngine(path, **extra, **args)
+            engine = LLMEngine(path, **extra, **(args if pool is None else tiny_args))
             if pool is not None:
                 shrink_kv_pool(engine, pool)
             outs, runs, requests = run(engine, prompts, params, abort_after={aborted: 2})
-            continued = [p + out for p, (out, _, _) in zip(prompts, outs)]
+            cut = outs.pop(aborted)  # aborted after two steps gave it tokens: as many as they gave
+            continued = [p + out for p, (out, _, _) in zip(prompts[:aborted] + prompts[aborted + 1:], outs)]
             hits = engine.block_manager.num_prefix_hits
             outs2, _, _ = run(engine, continued, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-            assert engine.block_manager.num_prefix_hits > hits
-            results[name, pool] = (outs, outs2, runs, requests, engine.scheduler)
+            assert pool is not None or engine.block_manager.num_prefix_hits > hits  # (a tiny pool evicts them)
+            results[name, pool] = (outs, outs2, runs, requests, engine.scheduler, cut)
             assert_no_block_leaks(engine)
         assert results["spec", pool][:2] == results["plain", pool][:2]
         assert results["spec", pool][4].num_accepted_tokens > 0
-    outs, _, runs, requests, _ = results["spec", None]
-    assert outs[aborted][2] == "abort" and outs[aborted][0] and results["spec", tiny_pool][4].num_preemptions > 0
+        (spec_cut, _, spec_reason), (plain_cut, _, plain_reason) = results["spec", pool][5], results["plain", pool][5]
+        assert spec_reason == plain_reason == "abort" and plain_cut == spec_cut[:len(plain_cut)] and plain_cut
+    outs, _, runs, requests, _, _ = results["spec", None]
+    outs.insert(aborted, None)
+    assert results["spec", tiny_pool][4].num_preemptions > 0
     for kind, (i, _, j) in chosen.items():
         assert len(outs[i][0]) == j + 1 and outs[i][2] == ("length" if kind == "max_tokens" else "stop"), kind
         if model == "demo" and kind != "max_tokens":  # (max_tokens cuts the drafts to its room instead)
@@ -168,15 +185,14 @@ def test_verify_rows_logits_equal_transformers(checkpoints, arch, mixed):
     CUDA graphs replay) and in a mixed step beside a prompt's prefill chunk."""
     import transformers
 
-    engine = LLMEngine(checkpoints[arch], **SPEC, **{**ENGINE_ARGS, "max_num_batched_tokens": 64})
+    engine = LLMEngine(checkpoints[arch], **SPEC, **{**ENGINE_ARGS, "max_num_batched_tokens": 128})
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype=torch.float32).eval()
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = repeating_prompts(seed=6)
-    for prompt in prompts[2:4]:
-        engine.add_request(prompt, greedy)
+    for seed in (6, 7):
+        engine.add_request(cases.covering_prompt(seed), greedy)
     engine.step()  # both prefilled
     if mixed:
-        engine.add_request(prompts[0], greedy)
+        engine.add_request(repeating_prompts(seed=6)[0], greedy)
     batch = engine.scheduler.schedule()
     assert all(batch.drafts[:2]) and batch.is_decode != mixed
     runner = engine.runner
