@@ -15,6 +15,7 @@ VOCAB = 2 + len(WORDS)  # ids 0 and 1 are <unk> and <|endoftext|> (the EOS)
 engine_cases = importlib.import_module("phases.09_engine_integration.engine_cases")
 assert_no_block_leaks = engine_cases.assert_no_block_leaks
 shrink_kv_pool = engine_cases.shrink_kv_pool
+hf_greedy = engine_cases.hf_greedy
 SPEC = dict(speculative="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
