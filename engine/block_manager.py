@@ -130,6 +130,24 @@ class BlockManager:
                 raise ValueError(f"no free block for {seq.request_id}; ask can_append first")
             table.append(self._take_free_block())
 
+    def take_slots(self, seq: Sequence, num_tokens: int) -> int:
+        """Give ``seq`` blocks for its first ``num_tokens`` positions as far as free blocks allow
+        (a verify step's drafted tokens); returns how many positions its table holds now."""
+        while len(seq.block_table) * self.block_size < num_tokens and self._free:
+            seq.block_table.append(self._take_free_block())
+        return len(seq.block_table) * self.block_size
+
+    def release_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s blocks past those holding its first ``num_tokens`` positions: blocks
+        that hold only rejected drafted tokens (never published, held by ``seq`` alone)."""
+        table = seq.block_table
+        while len(table) > self.blocks_for(num_tokens):
+            block_id = table.pop()
+            if self.ref_counts[block_id] != 1:
+                raise ValueError(f"{seq.request_id}: block {block_id} is shared, it cannot hold only its drafts")
+            self.ref_counts[block_id] = 0
+            self._free[block_id] = None
+
     def publish(self, seq: Sequence, num_computed_tokens: int) -> None:
         """The K/V of ``seq``'s first ``num_computed_tokens`` tokens is written (and those tokens
         are known on the host): its full blocks within them are hashed and become prefix-cache

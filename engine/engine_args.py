@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from engine.scheduler import ADMISSION_POLICIES
+from engine.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 
 def _option(default, flag: str, help: str, **argparse_kwargs):
@@ -51,6 +52,15 @@ class EngineArgs:
                                        "format without it", choices=["fp8"])
     overlap: bool = _option(True, "--no-overlap", "run each step to the end before scheduling the next (default: the "
                             "host schedules and postprocesses while the device runs the previous step)")
+    speculative: str | None = _option(None, "--speculative", "speculative decoding: ngram drafts the next tokens by "
+                                      "prompt lookup and verifies them in the decode step, giving the same tokens "
+                                      "(default: off; runs synchronous steps)", choices=list(SPECULATIVE_METHODS))
+    num_speculative_tokens: int = _option(4, "--num-speculative-tokens", "most tokens drafted per decode, "
+                                          f"1-{MAX_SPECULATIVE_TOKENS} (default 4)", type=int)
+    prompt_lookup_min: int = _option(2, "--prompt-lookup-min", "shortest suffix the n-gram drafter looks up "
+                                     "(default 2)", type=int)
+    prompt_lookup_max: int = _option(4, "--prompt-lookup-max", "longest suffix the n-gram drafter looks up, tried "
+                                     "first (default 4)", type=int)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -84,4 +94,6 @@ class EngineArgs:
                          max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                          dtype=self.dtype, device=self.device, enable_prefix_caching=self.enable_prefix_caching,
                          enforce_eager=self.enforce_eager, custom_all_reduce=self.custom_all_reduce,
-                         admission=self.admission, overlap=self.overlap, quantization=self.quantization)
+                         admission=self.admission, overlap=self.overlap, quantization=self.quantization,
+                         speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                         prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)

@@ -31,6 +31,7 @@ from engine.models.registry import MODEL_CLASSES, default_dtype
 from engine.output_processor import OutputProcessor
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class RequestOutput:
     """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
     None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
     says why). ``logprobs`` (when the request asked for them): per output token, (its id, its
-    logprob, the [(token id, logprob)] of the most likely tokens)."""
+    logprob, the [(token id, logprob)] of the most likely tokens). Speculative decoding: the
+    tokens drafted for it and verified (``num_draft_tokens``) and those accepted
+    (``num_accepted_tokens``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +57,8 @@ class RequestOutput:
     finish_reason: str | None = None
     reject_reason: str | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def _model_class(config: ModelConfig, backend: str) -> type | None:
@@ -117,7 +122,8 @@ def _load_tokenizer(model_dir: Path):
 class RequestUpdate:
     """A request's progress since a reader last looked (``LLMEngine.request_update``): the text
     from the reader's character offset on and the text's length now, the output token count,
-    the logprobs of the output tokens from the reader's index on, and the finish state."""
+    the logprobs of the output tokens from the reader's index on, the finish state, and the
+    drafted and accepted token counts so far (speculative decoding)."""
 
     text: str
     text_length: int
@@ -126,6 +132,8 @@ class RequestUpdate:
     finished: bool
     finish_reason: str | None = None
     reject_reason: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -144,10 +152,16 @@ class LLMEngine:
     On CUDA, decode replays CUDA graphs unless ``enforce_eager``. Under TP on CUDA the
     all-reduce uses the custom (symmetric-memory) path for small messages unless
     ``custom_all_reduce=False`` (NCCL only).
-    ``overlap`` (default True; the hf backend always runs without): each ``step`` launches the
-    next batch before it reads back the batch the previous ``step`` launched, so the host
-    schedules, stages and postprocesses while the device computes; False runs every step to
-    the end before returning (the synchronous loop, same tokens).
+    ``overlap`` (default True; the hf backend and speculative decoding always run without):
+    each ``step`` launches the next batch before it reads back the batch the previous ``step``
+    launched, so the host schedules, stages and postprocesses while the device computes; False
+    runs every step to the end before returning (the synchronous loop, same tokens).
+    ``speculative="ngram"`` (default None: off): each decode may carry up to
+    ``num_speculative_tokens`` tokens drafted by prompt lookup (an n-gram of
+    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens; ``engine.speculative``), verified
+    in the same forward; the tokens equal those of plain decoding (greedy and seeded sampling
+    alike), several per step where the drafts hold. The drafts need every token on the host, so
+    the steps are synchronous (``overlap`` is turned off, with a log line).
     ``quantization="fp8"`` quantizes a float checkpoint's linear weights at load (FP8 checkpoints
     are read in their own format whatever it says).
     """
@@ -158,10 +172,17 @@ class LLMEngine:
                  dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
                  custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True,
-                 quantization: str | None = None):
+                 speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
+                 prompt_lookup_max: int = 4, quantization: str | None = None):
         model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
         self.config = config = ModelConfig.from_model_dir(model_dir, quantization)
         model_class = _model_class(config, inference_backend)
+        if speculative not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {speculative!r}")
+        if speculative is not None and model_class is None:
+            raise ValueError("speculative decoding needs our own runner: the hf backend verifies no drafts")
+        drafter = NgramDrafter(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative else None
         self.tokenizer = _load_tokenizer(model_dir)
         if max_model_len is None:
             max_model_len = config.max_position_embeddings
@@ -196,12 +217,15 @@ class LLMEngine:
             cuda_graphs = device.type == "cuda" and not enforce_eager
             self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
                                       max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class,
-                                      self.eos_token_ids)
+                                      self.eos_token_ids, drafter.num_speculative_tokens if drafter else 0)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.eos_token_ids, admission)
+                                   self.eos_token_ids, admission, drafter=drafter)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
-        self.overlap = overlap and model_class is not None
+        if overlap and drafter is not None:
+            log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
+                     "overlap is off")
+        self.overlap = overlap and model_class is not None and drafter is None
         self._in_flight: LaunchedStep | None = None
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Sequence] = {}
@@ -219,6 +243,10 @@ class LLMEngine:
         kv_tokens = r.num_blocks * self.block_manager.block_size
         graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
         graphs += ", overlapped steps" if self.overlap else ", synchronous steps"
+        drafter = self.scheduler.drafter
+        if drafter is not None:
+            graphs += (f", n-gram speculation (k={drafter.num_speculative_tokens}, n={drafter.prompt_lookup_min}.."
+                       f"{drafter.prompt_lookup_max})")
         runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
         tp_detail = f" ({all_reduce_path()} all-reduce)" if self.tp.size > 1 else ""
         return (f"agent-infer: {self.config.architecture} ({runner}) from {self.model_dir} | {self.dtype} on "
@@ -290,7 +318,7 @@ class LLMEngine:
         return RequestOutput(request_id, seq.prompt_token_ids, list(seq.output_token_ids),
                              self.outputs.text(request_id), seq.is_finished,
                              "rejected" if rejected else seq.finish_reason, seq.reject_reason,
-                             self.outputs.logprobs(request_id))
+                             self.outputs.logprobs(request_id), seq.num_draft_tokens, seq.num_accepted_tokens)
 
     def request_progress(self, request_id: str) -> tuple[str, int, bool]:
         """(text, output token count, finished) so far without copying the token ids: what a
@@ -305,7 +333,7 @@ class LLMEngine:
         reason = "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason
         logprobs = self.outputs.logprobs_from(request_id, logprobs_from)
         return RequestUpdate(text, length, len(seq.output_token_ids), logprobs, seq.is_finished, reason,
-                             seq.reject_reason)
+                             seq.reject_reason, seq.num_draft_tokens, seq.num_accepted_tokens)
 
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
@@ -368,7 +396,6 @@ class LLMEngine:
         token_ids = launched.token_ids()
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
-        self.num_generation_tokens += len(result.appended)
         self._finished_unreported += [seq.request_id for seq in result.finished]
         logprobs = launched.logprobs()
         if logprobs:
@@ -377,7 +404,10 @@ class LLMEngine:
                 seq = launched.batch.seqs[entry]
                 if id(seq) in appended:
                     self.outputs.add_logprobs(seq.request_id, (seq.output_token_ids[-1], *item))
-        stopped, failed = self.outputs.process(result.appended)
+        known = [len(seq.output_token_ids) - n for seq, n in zip(result.appended, result.num_new)]
+        stopped, failed = self.outputs.process(result.appended, result.num_new)
+        # tokens a stop string cut from an accepted run of drafts never count
+        self.num_generation_tokens += sum(len(seq.output_token_ids) for seq in result.appended) - sum(known)
         for seq, reason in [(seq, "stop") for seq in stopped] + [(seq, "error") for seq in failed]:
             if self.scheduler.finish(seq.request_id, reason):
                 self._finished_unreported.append(seq.request_id)

@@ -45,7 +45,8 @@ class StepLogprobs:
 
 
 class SamplingRows:
-    """``num_rows`` rows of sampling state over a ``vocab_size`` vocabulary on ``device``.
+    """``num_rows`` rows of sampling state over a ``vocab_size`` vocabulary on ``device``; a step
+    samples at most ``max_batch`` logits rows (its sampled rows: entries and drafted tokens).
     ``write(new)`` when sequences get their rows; ``plan(batch, steps)`` on the host;
     ``sample(...)`` on the device. EOS ids (``eos_token_ids``) count as stop ids for min_tokens."""
 
@@ -91,9 +92,11 @@ class SamplingRows:
             self.prompt_seen[row] = to_device(seen, self.device)
 
     def plan(self, batch: ScheduledBatch, steps: list[int]) -> SamplingPlan:
-        """The step's sampling from its entries' parameters and output indexes (``steps``)."""
+        """The step's sampling from its rows' parameters and output indexes (``steps``): one row
+        per entry, then one per drafted token (``batch.row_seqs``), which always samples."""
         sampled, penalized, banned, logprobs, num_logprobs = [], [], [], [], 0
-        for i, (seq, samples, step) in enumerate(zip(batch.seqs, batch.samples, steps)):
+        row_samples = batch.samples + [True] * (batch.num_rows - len(batch))
+        for i, (seq, samples, step) in enumerate(zip(batch.row_seqs, row_samples, steps)):
             params = seq.sampling_params
             if params.temperature > 0:
                 sampled.append(i)
@@ -111,8 +114,9 @@ class SamplingRows:
 
     def sample(self, logits: torch.Tensor, batch: ScheduledBatch, plan: SamplingPlan, rows: torch.Tensor,
                steps: torch.Tensor, sampled_rows: torch.Tensor) -> tuple[torch.Tensor, StepLogprobs | None]:
-        """Token ids [B] for the last-token ``logits`` [B, V] (each entry's parameters from its row,
-        its step from ``steps``; ``sampled_rows`` = ``plan.sampled`` on the device), and the
+        """Token ids [R] for the ``logits`` [R, V] of the batch's sampled rows (each row's
+        parameters from its table row ``rows``, its output index from ``steps``; ``sampled_rows`` =
+        ``plan.sampled`` on the device), and the
         logprobs asked for (rank 0 only under TP: the others receive the ids). An all-greedy batch
         is one argmax; otherwise only the sampled entries draw, with the candidate count and top-p
         pass decided from the host-side parameters."""
@@ -150,9 +154,10 @@ class SamplingRows:
 
     def _draw(self, logits, batch: ScheduledBatch, sampled: list[int], rows, steps, sampled_rows) -> torch.Tensor:
         if not sampled:
-            columns = {name: t[:len(batch)] for name, t in self._greedy.items()}
+            columns = {name: t[:logits.shape[0]] for name, t in self._greedy.items()}
             return self.sampler(logits, **columns, sampled_rows=self._no_rows)
-        params = [batch.seqs[i].sampling_params for i in sampled]
+        row_seqs = batch.row_seqs
+        params = [row_seqs[i].sampling_params for i in sampled]
         floats, ints = self.floats[:2].index_select(1, rows), self.ints.index_select(1, rows)
         top_ks = [p.top_k for p in params]
         return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], steps, sampled_rows=sampled_rows,

@@ -42,12 +42,27 @@ Prefix-cache hashes of a step's blocks are published in ``postprocess``, once th
 K/V exists and only for the tokens computed so far; sequences prefilled in one step therefore
 never share blocks computed in that same step, and a failed step (``fail_in_flight``)
 publishes nothing.
+
+Speculative decoding (a ``drafter``; only with nothing in flight, so every token is known):
+after the step's decodes and before its prefill chunks and admissions (as vLLM schedules
+running requests' drafts first, so a request's drafts never depend on the prompts beside it
+while the budget holds them), each decode entry — oldest first, from the token budget and the
+free blocks left — may carry drafted tokens: its last token
+plus ``k`` drafts at positions ``start .. start + k``, every one of them sampled (a verify
+entry). ``postprocess`` accepts the longest prefix of the drafts that equals the tokens the
+step sampled after them, appends those and the sampled token that follows (1 .. k + 1 tokens,
+cut at a token that ends the sequence), counts only the accepted positions as computed (the
+K/V of rejected drafts is never attended to and is overwritten later), publishes hashes of
+accepted positions only, and frees the blocks that hold only rejected drafts. Drafts never
+run past ``max_model_len`` or the room ``max_tokens`` leaves, and requests with penalties or
+logprobs take none (their sampling state advances one token per step).
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -59,22 +74,49 @@ ADMISSION_POLICIES = ("watermark", "reserve")  # the first is the default
 class ScheduledBatch:
     """One step: sequence ``seqs[i]`` computes ``num_tokens[i]`` tokens from position
     ``starts[i]`` on; ``samples[i]``: that chunk reaches the sequence's end, so the step samples
-    its next token (output index ``starts[i] + num_tokens[i] - num_prompt_tokens``). Decodes
-    come first. A token at a position the host does not know yet (``>= seq.num_known_tokens``
-    when the batch runs) was sampled by the previous step and must be fed from the device."""
+    its next token (output index ``starts[i] + num_tokens[i] - len(drafts[i]) - num_prompt_tokens``).
+    Decodes come first. A token at a position the host does not know yet
+    (``>= seq.num_known_tokens`` when the batch runs) was sampled by the previous step and must
+    be fed from the device.
+
+    ``drafts[i]``: tokens drafted for a decode entry (speculative decoding), computed after its
+    last token at positions ``starts[i] + 1 ..``; ``num_tokens[i] = 1 + len(drafts[i])`` and the
+    step samples after each of them too. The step's sampled rows are one per entry, then one
+    per drafted token in entry order (``num_rows``, ``row_seqs``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.drafts:  # a batch built without drafts has none for each entry
+            self.drafts = [[] for _ in self.seqs]
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence computes one token (what a CUDA-graph decode step can replay)."""
-        return all(n == 1 for n in self.num_tokens)
+        """Every token is a decode row: each entry computes its last token and its drafts, all
+        sampled (what a CUDA-graph decode step can replay)."""
+        return all(n == 1 + len(d) for n, d in zip(self.num_tokens, self.drafts))
+
+    @property
+    def draft_entries(self) -> list[int]:
+        """The entry of each drafted token, in entry order."""
+        return [i for i, draft in enumerate(self.drafts) for _ in draft]
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows: one per entry and one per drafted token."""
+        return len(self.seqs) + sum(map(len, self.drafts))
+
+    @property
+    def row_seqs(self) -> list[Sequence]:
+        """The sequence of each sampled row."""
+        return self.seqs + [self.seqs[i] for i in self.draft_entries]
 
     @property
     def total_tokens(self) -> int:
@@ -83,11 +125,28 @@ class ScheduledBatch:
 
 @dataclass
 class StepResult:
-    """What ``postprocess`` made of a batch: the sequences that got a new token, in batch order
-    (their ``output_token_ids[-1]``), and those it finished."""
+    """What ``postprocess`` made of a batch: the sequences that got new tokens, in batch order,
+    how many each got (``num_new``: the last ones of its ``output_token_ids``; more than one
+    after accepted drafts), and those it finished."""
 
     appended: list[Sequence]
     finished: list[Sequence]
+    num_new: list[int]
+
+
+def accepted_length(draft: list[int], sampled: list[int]) -> int:
+    """Speculative decoding's acceptance: how many leading drafted tokens equal the tokens the
+    target model sampled after the tokens before them (``sampled[j]`` follows ``draft[:j]``).
+
+    Greedy, ``sampled`` is the argmax. Sampling, each row draws with the request's seed at its
+    own output index, so ``draft[j]`` is accepted with probability p_j(draft[j]) and on rejection
+    the token taken is ``sampled[j]``, distributed as p_j without ``draft[j]``, renormalised:
+    the rejection sampling of a deterministic drafter (q one-hot: accept with min(1, p/q),
+    resample from the normalised max(0, p - q)), with exactly the tokens plain decoding samples."""
+    accepted = 0
+    while accepted < len(draft) and sampled[accepted] == draft[accepted]:
+        accepted += 1
+    return accepted
 
 
 class Scheduler:
@@ -97,11 +156,14 @@ class Scheduler:
     leaves free. ``num_preemptions`` counts preemptions; ``preempted`` holds the sequences the
     last ``schedule()`` preempted. ``take_freed()`` hands the engine the sequences whose blocks
     were freed (finished or preempted) since it last asked, so it can drop their runner state.
+    ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
+    list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
+    ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_id: int | Iterable[int] | None, admission: str = "watermark",
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, drafter=None):
         if max_num_seqs < 1 or max_model_len < 1:
             raise ValueError(f"max_num_seqs and max_model_len must be >= 1, got {max_num_seqs}, {max_model_len}")
         if max_num_batched_tokens < max_num_seqs:
@@ -118,6 +180,7 @@ class Scheduler:
         self.admission = admission
         self.watermark = watermark
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
+        self.drafter = drafter
         if eos_token_id is None:
             eos_token_id = ()
         self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
@@ -125,6 +188,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self.needs_drain = False
         self._unfinished: dict[str, Sequence] = {}  # waiting and running, by request id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed, oldest first
@@ -169,7 +233,10 @@ class Scheduler:
         self.preempted = []
         self.needs_drain = False
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens - self._schedule_decodes(batch)
+        self._schedule_decodes(batch)
+        if self.drafter is not None and not self._in_flight:
+            self._draft(batch)
+        budget = self.max_num_batched_tokens - batch.total_tokens
         prefilling = False
         for seq in self.running:
             if seq.status is SequenceStatus.RUNNING_PREFILL and budget > 0:
@@ -190,29 +257,44 @@ class Scheduler:
         published); its blocks are freed once no batch in flight holds it."""
         if not self._in_flight or self._in_flight[0] is not batch:
             raise RuntimeError("postprocess() takes the batches in the order they were scheduled")
-        if len(batch) != len(token_ids):
-            raise ValueError(f"{len(batch)} sequences but {len(token_ids)} token ids")
+        if batch.num_rows != len(token_ids):
+            raise ValueError(f"{batch.num_rows} sampled rows but {len(token_ids)} token ids")
         self._in_flight.popleft()
-        appended, finished = [], []
-        for seq, start, num, samples, token_id in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
-                                                       token_ids):
+        appended, finished, num_new = [], [], []
+        draft_rows = iter(token_ids[len(batch):])
+        for seq, start, num, samples, draft, token_id in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
+                                                              batch.drafts, token_ids):
+            sampled = [token_id, *islice(draft_rows, len(draft))]
             seq.num_in_flight -= 1
             seq.num_pending_tokens -= samples
+            computed = start + num - len(draft)  # K/V of the entry's own tokens; drafts follow if accepted
+            reason = None
+            if samples and not seq.is_finished:
+                accepted = accepted_length(draft, sampled)
+                computed += accepted
+                seq.num_computed_tokens += accepted
+                seq.num_draft_tokens += len(draft)
+                seq.num_accepted_tokens += accepted
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += accepted
+                for new, token in enumerate(sampled[:accepted + 1], start=1):
+                    seq.output_token_ids.append(token)
+                    reason = self._finish_reason(seq, token)
+                    if reason is not None:
+                        break
+                appended.append(seq)
+                num_new.append(new)
             # the step's K/V exists now: publish it (a finished sequence's too, up to its known tokens)
-            self.block_manager.publish(seq, min(start + num, seq.num_known_tokens))
+            self.block_manager.publish(seq, min(computed, seq.num_known_tokens))
             if seq.is_finished:
                 if seq.num_in_flight == 0:
                     self._free(seq)
-                continue
-            if not samples:
-                continue  # a prefill chunk short of the end: its token is discarded
-            seq.output_token_ids.append(token_id)
-            appended.append(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
+            elif reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
-        return StepResult(appended, finished)
+            elif draft:
+                self.block_manager.release_slots(seq, seq.num_computed_tokens)
+        return StepResult(appended, finished, num_new)
 
     def abort(self, request_id: str) -> bool:
         """``finish(request_id, "abort")``."""
@@ -262,6 +344,7 @@ class Scheduler:
         batch.starts.append(start)
         batch.num_tokens.append(num)
         batch.samples.append(samples)
+        batch.drafts.append([])
         return num
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> int:
@@ -319,6 +402,27 @@ class Scheduler:
             self.running.append(seq)
             budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             prefilling = True
+
+    def _draft(self, batch: ScheduledBatch) -> None:
+        """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest
+        first, while the token budget and free blocks last: at most what keeps the step within
+        ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties
+        or logprobs take none."""
+        budget = self.max_num_batched_tokens - batch.total_tokens
+        for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
+            params = seq.sampling_params
+            # the step samples len(draft) + 1 tokens; num_tokens already counts the first
+            room = min(budget, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            if room <= 0 or params.penalized or params.logprobs is not None:
+                continue
+            draft = self.drafter.propose(seq, room)[:room]
+            if not draft:
+                continue
+            held = self.block_manager.take_slots(seq, start + 1 + len(draft))
+            draft = draft[:held - start - 1]  # cut to the blocks there were (none taken for an empty one)
+            batch.drafts[i] = draft
+            batch.num_tokens[i] += len(draft)
+            budget -= len(draft)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the front of the waiting queue, keeping its

@@ -129,7 +129,9 @@ class Sequence:
     ``block_table`` and ``num_cached_tokens`` (prompt tokens found in the prefix cache at
     allocation) belong to the BlockManager; ``status``, ``finish_reason``, ``reject_reason``,
     ``num_computed_tokens`` (tokens whose K/V is written once every scheduled step has run) and
-    ``num_in_flight`` (scheduled steps holding this sequence not yet postprocessed) to the Scheduler.
+    ``num_in_flight`` (scheduled steps holding this sequence not yet postprocessed) to the Scheduler,
+    which also counts the drafted tokens verified for it (``num_draft_tokens``, speculative
+    decoding) and those the target model accepted (``num_accepted_tokens``).
     ``seed`` is the request's sampling seed, drawn on the host when none is given.
     """
 
@@ -154,6 +156,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.num_in_flight = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -3,13 +3,14 @@ written from the benchmarks' JSON, never typed in).
 
     python scripts/record_benchmarks.py REPORT.json [REPORT.json ...] [--into benchmarks.json]
 
-Each report is the JSON of ``python -m engine bench latency | throughput``, of
+Each report is the JSON of ``python -m engine bench latency | throughput | spec``, of
 ``python -m engine.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
 mapped to the project's names (``figures_of``), each stored as ``{"value", "unit", "command",
 "date", "device", "peer", "from"}``: the command that reproduces it, the report's date and
 device, the peers measured in the same run (transformers, floors), and the report field it was
 read from. Figures already in the file and not in these reports are kept. Reports measured on a
-CPU are refused: benchmarks.json holds GPU figures only.
+CPU are refused (benchmarks.json holds GPU figures), but for the figures no device changes
+(``DEVICE_FREE``: tokens per target forward of speculative decoding, a count).
 
 Names: ``<model>_b1_graphs_tok_s`` / ``_b1_eager_tok_s`` (B=1 decode), ``<model>_prefill_<N>_tok_s``
 (one N-token prompt: N / TTFT), ``<model>_matmul_chain_tok_s`` (the cuBLAS floor),
@@ -17,7 +18,11 @@ Names: ``<model>_b1_graphs_tok_s`` / ``_b1_eager_tok_s`` (B=1 decode), ``<model>
 sequences, lengths 100-1024; busy = NVML utilisation, mean over the run), with ``<model>`` the
 preset: ``qwen3_8b``, ``dsv2_lite``, ... and ``_fp8`` after it for an FP8 run
 (``qwen3_8b_fp8_b1_graphs_tok_s``); a run with synchronous steps (``--no-overlap``, the peer of
-the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_graphs_no_overlap_tok_s``).
+the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_graphs_no_overlap_tok_s``);
+``spec_ngram_<workload>_tokens_per_forward`` (bench spec
+on a checkpoint, greedy: output tokens per target-model forward with n-gram drafts, the plain
+engine's forwards as peer), ``demo_spec_ngram_<workload>_b1_tok_s`` (the same run's tok/s, on a
+GPU) and ``<model>_spec_verify_k<K>_ratio`` (a B=1 verify step of K drafts over a decode step).
 """
 from __future__ import annotations
 
@@ -139,7 +144,27 @@ def _floors(report: dict) -> dict:
                                                                          "matmul_chain_tok_s", peer)}
 
 
-MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors}
+def _spec(report: dict) -> dict:
+    figures = {}
+    for workload, run in report.get("workloads", {}).items():
+        spec, plain = run["spec"], run["plain"]
+        peer = {"plain_forwards": plain["forwards"], "spec_forwards": spec["forwards"],
+                "output_tokens": spec["output_tokens"], "acceptance_rate": spec["acceptance_rate"],
+                "same_tokens": run["same_tokens"]}
+        figures[f"spec_ngram_{workload}_tokens_per_forward"] = _figure(
+            spec["tokens_per_forward"], "tokens/forward", f"workloads.{workload}.spec.tokens_per_forward", peer)
+        figures[f"demo_spec_ngram_{workload}_b1_tok_s"] = _figure(
+            spec["tok_s"], "tok/s", f"workloads.{workload}.spec.tok_s", {"plain_tok_s": plain["tok_s"]})
+    verify = report["verify_step"]
+    if report["model"]["source"].startswith("preset "):
+        figures[f"{model_name(_preset(report))}_spec_verify_k{verify['num_drafts']}_ratio"] = _figure(
+            verify["ratio"], "x", "verify_step.ratio", {k: verify[k] for k in ("decode_ms", "verify_ms", "graphs",
+                                                                               "context_len")})
+    return figures
+
+
+MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors, "spec": _spec}
+DEVICE_FREE = re.compile(r"spec_ngram_\w+_tokens_per_forward")
 
 
 def figures_of(report: dict) -> dict:
@@ -163,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.reports:
         report = json.loads(Path(path).read_text())
         device = report.get("machine", {}).get("device", "")
-        if device.startswith("cpu"):
-            parser.error(f"{path} was measured on {device}: benchmarks.json holds GPU figures only")
         try:
-            recorded.update(figures_of(report))
+            figures = figures_of(report)
         except (KeyError, ValueError) as e:
             parser.error(f"{path}: {e}")
+        if device.startswith("cpu"):
+            figures = {name: figure for name, figure in figures.items() if DEVICE_FREE.fullmatch(name)}
+            if not figures:
+                parser.error(f"{path} was measured on {device}: benchmarks.json holds GPU figures only")
+        recorded.update(figures)
     into = Path(args.into)
     data = json.loads(into.read_text()) if into.is_file() else {"figures": {}}
     data["figures"].update(recorded)

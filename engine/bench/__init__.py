@@ -8,6 +8,9 @@ serve       an HTTP client for a running ``python -m engine serve`` (streaming /
             TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput
 overlap     overlapped against synchronous engine steps on a simulated device (a fixed delay per
             step; the engine's host work is real): step, host and device ms per step (CPU, seconds)
+spec        speculative decoding (n-gram drafts) at B=1: a code-editing and a plain-completion
+            workload through a plain and a speculative engine (tokens per target forward, tok/s,
+            acceptance), and a verify step's time against a decode step's (``engine.bench.spec``)
 
 The model: ``--model DIR``, or ``--preset NAME --random-weights`` (full-size, random weights made
 on the device, no checkpoint). ``--compare hf`` times transformers on the same weights in the
@@ -43,6 +46,7 @@ def add_bench_command(commands) -> None:
     throughput = modes.add_parser("throughput", help="offline batch throughput (nano-vllm's shape)")
     serve = modes.add_parser("serve", help="load a running server over HTTP (vLLM's serving metrics)")
     overlap = modes.add_parser("overlap", help="overlapped vs synchronous steps on a simulated device (CPU, seconds)")
+    spec = modes.add_parser("spec", help="speculative decoding at B=1: workloads and the verify step's cost")
     overlap.add_argument("--num-seqs", type=_int_list, default=[1, 256], metavar="N,N,...",
                          help="batch sizes, each run in both modes (default 1,256)")
     overlap.add_argument("--gpu-ms", type=_float_pair, default=(5.0, 12.0), metavar="AT_1,AT_MAX",
@@ -53,7 +57,7 @@ def add_bench_command(commands) -> None:
     overlap.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     overlap.add_argument("--output", metavar="FILE", help="also write the JSON report here")
     overlap.set_defaults(run=run_overlap)
-    for mode in (latency, throughput, serve):
+    for mode in (latency, throughput, serve, spec):
         EngineArgs.add_cli_args(mode)
         source = mode.add_argument_group("model source")
         source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config, used with --random-weights")
@@ -80,6 +84,10 @@ def add_bench_command(commands) -> None:
                                                                             "as nano-vllm)")
     throughput.add_argument("--hf-num-seqs", type=int, default=16,
                             help="with --compare hf: sequences of the subset both engines run (default 16)")
+    spec.add_argument("--num-requests", type=int, default=None,
+                      help="requests of each workload (default: all 24 functions of engine/bench/spec_workload.json)")
+    spec.add_argument("--verify-context", type=int, default=512, help="context of the timed verify step (default 512)")
+    spec.add_argument("--verify-steps", type=int, default=50, help="timed decode and verify steps (default 50)")
     serve.add_argument("--url", default=SERVE_DEFAULT_URL, help=f"server base URL (default {SERVE_DEFAULT_URL})")
     serve.add_argument("--launch", action="store_true",
                        help="start the server (the engine options' model, on a free port) and stop it after; "
@@ -93,7 +101,7 @@ def add_bench_command(commands) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     serve.add_argument("--health-timeout", type=float, default=60.0, help="seconds to wait for /health")
-    for mode in (latency, throughput, serve):
+    for mode in (latency, throughput, serve, spec):
         mode.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights (default 0)")
         mode.add_argument("--output", metavar="FILE", help="also write the JSON report here")
         mode.add_argument("--gpu-sample-interval", type=float, default=0.2, help="NVML sampling period in s")
@@ -168,11 +176,13 @@ def run_offline(args: argparse.Namespace, report: dict) -> None:
 
     limit = model_config(args).max_position_embeddings
     if args.max_model_len is None:  # as long as the benchmark needs, not the model's maximum
-        needed = (max(max(args.prompt_lens) + 1, args.decode_prompt_len + args.decode_tokens + 1)
-                  if args.mode == "latency" else 2 * args.max_len)
-        args.max_model_len = min(limit, needed)
-    if args.mode == "latency" and args.max_num_seqs is None:
+        needed = {"latency": lambda: max(max(args.prompt_lens) + 1, args.decode_prompt_len + args.decode_tokens + 1),
+                  "throughput": lambda: 2 * args.max_len, "spec": lambda: max(1024, args.verify_context + 64)}
+        args.max_model_len = min(limit, needed[args.mode]())
+    if args.mode in ("latency", "spec") and args.max_num_seqs is None:
         args.max_num_seqs = 1
+    if args.mode == "spec":
+        args.speculative = args.speculative or "ngram"
     start = time.perf_counter()
     with open_engine(args) as (engine, weights):
         c = engine.config
@@ -185,7 +195,7 @@ def run_offline(args: argparse.Namespace, report: dict) -> None:
         report["engine"] = {"max_model_len": engine.max_model_len, "max_num_seqs": engine.scheduler.max_num_seqs,
                             "block_size": engine.block_manager.block_size, "kv_cache_blocks": engine.runner.num_blocks,
                             "kv_cache_gib": engine.runner.kv_cache_bytes / 2**30}
-        (run_latency if args.mode == "latency" else run_throughput)(engine, args, report)
+        {"latency": run_latency, "throughput": run_throughput, "spec": run_spec}[args.mode](engine, args, report)
         if engine.device.type == "cuda":
             report["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
 
@@ -252,6 +262,20 @@ def run_throughput(engine, args: argparse.Namespace, report: dict) -> None:
             "ours": ours, "hf_eager": hf, "ratios": {"ours_vs_eager": ours["output_tok_s"] / hf["output_tok_s"]}}
 
 
+def run_spec(engine, args: argparse.Namespace, report: dict) -> None:
+    """The verify step's cost on the speculative ``engine``; with a checkpoint (not a preset's
+    random weights, whose tokenizer is one word) the workloads, beside a plain engine."""
+    from dataclasses import replace
+
+    from engine.bench import spec
+
+    report["verify_step"] = spec.measure_verify_step(engine, args.num_speculative_tokens, args.verify_context,
+                                                     args.verify_steps)
+    if args.preset is None:
+        plain = replace(EngineArgs.from_cli_args(args), speculative=None).build()
+        report["workloads"] = spec.run_workloads(plain, engine, args.num_requests)
+
+
 def run_serve(args: argparse.Namespace) -> dict:
     from engine.bench.serve import bench_serve, launch_server, serve_workload
 
@@ -301,7 +325,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def emit(report: dict, output: str | None) -> None:
     """A few readable lines on stderr; the report as one JSON line on stdout (and in ``output``)."""
-    for key in ("decode", "step_split", "throughput", "serve", "compare_hf", "results"):
+    for key in ("decode", "step_split", "throughput", "serve", "compare_hf", "results", "verify_step", "workloads"):
         if key in report:
             print(f"{key}: {json.dumps(report[key])[:400]}", file=sys.stderr)
     if output:

@@ -158,7 +158,9 @@ class OpenAIServer:
             lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
             choices.append(self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp))
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": usage(gen.num_prompt_tokens, sum(f.num_tokens for f in finals))})
+                                  "usage": usage(gen.num_prompt_tokens, sum(f.num_tokens for f in finals),
+                                                 sum(f.num_draft_tokens for f in finals),
+                                                 sum(f.num_accepted_tokens for f in finals))})
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -210,7 +212,9 @@ class OpenAIServer:
                     sent[i] += len(visible)
                     tokens[i] = update.num_tokens
             if gen.include_usage:
-                await send({**head, "choices": [], "usage": usage(gen.num_prompt_tokens, sum(tokens))})
+                await send({**head, "choices": [], "usage": usage(gen.num_prompt_tokens, sum(tokens),
+                                                                   sum(f.num_draft_tokens for f in finals),
+                                                                   sum(f.num_accepted_tokens for f in finals))})
             await send("[DONE]")
             await response.write_eof()
         except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it

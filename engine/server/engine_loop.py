@@ -44,7 +44,8 @@ STALL_S = 120.0  # an iteration with work pending taking longer than this: /heal
 class Update:
     """What a handler takes from a stream: the text and logprobs posted since it last took, the
     output token count, and once finished the reason, a message for "error" / "abort" /
-    "rejected", and the final text length (a stop string may have cut text posted before)."""
+    "rejected", the final text length (a stop string may have cut text posted before) and the
+    drafted and accepted token counts (speculative decoding)."""
 
     text: str = ""
     num_tokens: int = 0
@@ -52,6 +53,8 @@ class Update:
     finish_reason: str | None = None
     message: str | None = None
     final_length: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -76,7 +79,7 @@ class Stream:
         self._pending = Update()
 
     def post(self, text: str, num_tokens: int, logprobs: list, finish_reason: str | None = None,
-             message: str | None = None, final_length: int | None = None) -> None:
+             message: str | None = None, final_length: int | None = None, drafts: tuple[int, int] = (0, 0)) -> None:
         """(Engine thread.) Add progress for the handler and ring its bell."""
         with self._lock:
             pending = self._pending
@@ -85,6 +88,7 @@ class Stream:
             pending.logprobs += logprobs
             if finish_reason is not None:
                 pending.finish_reason, pending.message, pending.final_length = finish_reason, message, final_length
+                pending.num_draft_tokens, pending.num_accepted_tokens = drafts
         try:
             self.event_loop.call_soon_threadsafe(self.bell.set)
         except RuntimeError:  # the event loop has closed: nobody is listening
@@ -355,7 +359,7 @@ class EngineLoop:
                 self.engine.pop_request(request_id)
                 message = error if update.finish_reason == "error" else update.reject_reason
                 stream.post(update.text, update.num_tokens, update.logprobs, update.finish_reason, message,
-                            update.text_length)
+                            update.text_length, (update.num_draft_tokens, update.num_accepted_tokens))
                 self.metrics.finished(update.finish_reason, now - stream.arrival)
                 log.info("request %s: prompt %d tokens, output %d tokens, finished (%s) in %.3f s", request_id,
                          len(stream.prompt_token_ids), update.num_tokens, update.finish_reason, now - stream.arrival)

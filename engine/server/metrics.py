@@ -36,6 +36,12 @@ class ServerMetrics:
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests admitted.",
                                      registry=registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=registry)
+        self.spec_decode_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens",
+                                                    "Drafted tokens verified (speculative decoding).",
+                                                    registry=registry)
+        self.spec_decode_num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens",
+                                                       "Drafted tokens accepted (speculative decoding).",
+                                                       registry=registry)
         self.requests = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                 ["finished_reason"], registry=registry)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
@@ -45,7 +51,8 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=registry)
         self.stats_interval_s = stats_interval_s
-        self._seen = {"prefix_queries": 0, "prefix_hits": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._seen = dict.fromkeys(("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens",
+                                    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"), 0)
         self._stats_at, self._stats_tokens = time.monotonic(), (0, 0)
 
     def observe(self, engine) -> None:
@@ -55,7 +62,9 @@ class ServerMetrics:
         kv_usage = 1 - bm.num_free_blocks / bm.num_blocks
         self.kv_usage.set(kv_usage)
         totals = {"prefix_queries": bm.num_prefix_queries, "prefix_hits": bm.num_prefix_hits,
-                  "prompt_tokens": engine.num_prompt_tokens, "generation_tokens": engine.num_generation_tokens}
+                  "prompt_tokens": engine.num_prompt_tokens, "generation_tokens": engine.num_generation_tokens,
+                  "spec_decode_num_draft_tokens": scheduler.num_draft_tokens,
+                  "spec_decode_num_accepted_tokens": scheduler.num_accepted_tokens}
         for name, total in totals.items():
             getattr(self, name).inc(total - self._seen[name])
             self._seen[name] = total

@@ -304,9 +304,17 @@ class OpenAIProtocol:
                 "created": int(time.time()), "model": self.model_name}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: int = 0,
+          num_accepted_tokens: int = 0) -> dict:
+    """OpenAI's usage object; with speculative decoding's drafts, OpenAI's names for them
+    (predicted outputs): ``completion_tokens_details.accepted_prediction_tokens`` /
+    ``rejected_prediction_tokens``."""
+    counts = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+              "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_draft_tokens:
+        counts["completion_tokens_details"] = {"accepted_prediction_tokens": num_accepted_tokens,
+                                               "rejected_prediction_tokens": num_draft_tokens - num_accepted_tokens}
+    return counts
 
 
 def _finite(x: float) -> float:

@@ -169,6 +169,31 @@ def test_mixed_step_puts_decode_rows_first(engine):
     abort_all(engine, [decoding, prefilling])
 
 
+def test_one_token_prefill_chunks_beside_a_decode_read_their_own_tokens(checkpoint):
+    """A token budget of two: a prompt is prefilled one token per step beside another's decode
+    (every entry computes one token, so the step takes the decode path); each chunk feeds its own
+    prompt token, not the prompt's last. Both outputs are transformers' greedy tokens."""
+    import transformers
+
+    engine = LLMEngine(checkpoint, block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=64,
+                       overlap=False)
+    prompts = [[5, 6, 7], list(range(20, 27))]
+    first = engine.add_request(prompts[0], greedy(12))
+    engine.step()  # prefilled: it decodes from the next step on
+    second = engine.add_request(prompts[1], greedy(4))
+    chunks = []
+    while engine.has_unfinished_requests():
+        batch = engine.scheduler.schedule()
+        chunks += [start for seq, start in zip(batch.seqs, batch.starts)
+                   if seq.request_id == second and start < len(prompts[1])]
+        engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+    assert chunks == list(range(len(prompts[1])))  # one token per step, beside the decode
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    for rid, prompt, new in ((first, prompts[0], 12), (second, prompts[1], 4)):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        assert engine.pop_request(rid).token_ids == expected[0, len(prompt):].tolist()
+
+
 def decode_forward_ops(engine, monkeypatch):
     """Op counts of one decode forward of the model as the runner sets it up."""
     runner = engine.runner
