@@ -6,6 +6,8 @@ Lives in phases/ (not the engine): it is test code.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -237,3 +239,20 @@ def assert_no_host_sync_and_no_copies(ops: OpCounter) -> None:
         assert ops.counts.get(op, 0) == 0, (op, ops.counts)
     for op in ("clone", "_to_copy", "copy_"):
         assert ops.model_ops.get(op, 0) == 0, (op, ops.model_ops)
+
+
+class HostOpRecorder(TorchDispatchMode):
+    """Records the aten ops our wrappers issue; ops issued by Triton's interpreter while it copies
+    data in and out of its CPU emulation are not the wrappers' and are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and "triton/runtime/interpreter" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is None:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

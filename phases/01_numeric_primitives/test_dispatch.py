@@ -3,13 +3,11 @@ read tensor values on the host, never copy or convert inputs, and issue the same
 ops whatever the number of tokens (so they are CUDA-graph safe and cheap to dispatch)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.kernels as K
+from phases.harness import HostOpRecorder
 from primitives_checks import HAS_CUDA, HAS_TRITON, vllm_importable
 
 
@@ -83,23 +81,6 @@ def test_public_ops_reject_mismatched_shapes():
 # Host-side aten ops a decode-path wrapper may issue: allocating outputs and taking views.
 ALLOWED_HOST_OPS = {"empty", "empty_strided", "new_empty", "view", "slice", "alias", "as_strided", "select",
                     "unsqueeze", "squeeze", "expand"}
-
-
-class HostOpRecorder(TorchDispatchMode):
-    """Records the aten ops our wrappers issue; ops issued by Triton's interpreter while it copies
-    data in and out of its CPU emulation are not the wrappers' and are left out."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        while frame is not None and "triton/runtime/interpreter" not in frame.f_code.co_filename:
-            frame = frame.f_back
-        if frame is None:
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def decode_path_calls(tokens: int, device: str, dtype: torch.dtype):

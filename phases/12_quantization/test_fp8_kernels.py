@@ -3,13 +3,10 @@ float64 products, on every backend present (torch reference on CPU, Triton under
 interpreter on CPU, Triton on CUDA)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
 from engine.kernels import fp8
@@ -17,7 +14,7 @@ from engine.kernels.triton import fp8 as triton_fp8
 from engine.kernels.triton.fp8 import GemmConfig, _group_by_expert, saturate_to_fp8
 from engine.kernels.triton.semaphores import zeroed_counters
 from fp8_truth import HAS_CUDA, HAS_TRITON, TARGETS, dequantize, quantize_groups, random_fp8_weight, rel_error
-from phases.harness import count_step
+from phases.harness import HostOpRecorder, count_step
 
 TRITON_TARGETS = [pytest.param("cpu", id="triton-interpret",
                                marks=pytest.mark.skipif(HAS_CUDA or not HAS_TRITON,
@@ -109,22 +106,6 @@ def test_fp8_decode_split_k_matches_float64(device, m, n, k, block_rows, bias, d
     assert rel_error(out, truth) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-class HostOps(TorchDispatchMode):
-    """The aten ops issued on the host, those of Triton's interpreter (running a kernel) aside."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        while frame is not None and "triton/runtime/interpreter" not in frame.f_code.co_filename:
-            frame = frame.f_back
-        if frame is None:
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("device", TRITON_TARGETS)
 def test_fp8_linear_decode_has_no_host_sync_or_per_token_work(device, monkeypatch):
     """The Triton ``fp8_linear`` of a decode step (its launch shape measured once per shape on CUDA,
@@ -137,7 +118,7 @@ def test_fp8_linear_decode_has_no_host_sync_or_per_token_work(device, monkeypatc
     for m in (1, 12):
         x = torch.randn(m, 300, generator=gen).to(device)
         triton_fp8.fp8_linear(x, weight, scales)  # warm-up: compile
-        with HostOps() as host:
+        with HostOpRecorder() as host:
             ops = count_step(lambda: triton_fp8.fp8_linear(x, weight, scales), monkeypatch)
         assert ops.host_reads == [], ops.host_reads
         recorded.append(host.ops)
