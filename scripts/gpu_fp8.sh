@@ -17,14 +17,7 @@
 #   v2lite     DeepSeek-V2-Lite random, bf16 then FP8: B=1 decode with graphs
 #   summary    $OUT/benchmarks.json: qwen3_8b_fp8_b1_graphs_tok_s beside qwen3_8b_bf16_b1_graphs_tok_s,
 #              and the ratios the targets are stated in
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-SECONDS=0
-fits() {  # fits EST NAME: true when EST seconds are left of the budget
-    if [ $(( ${BUDGET_S:-580} - SECONDS )) -lt "$1" ]; then echo "skip $2 ($SECONDS s used)"; return 1; fi
-}
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, $OUT, PYTHONPATH, fits
 
 tests() {
     fits 150 tests || return

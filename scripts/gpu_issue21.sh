@@ -32,21 +32,10 @@
 #
 # JSON and logs go to $OUT (earlier calls' JSON copied back into ./issue21_carry/ is read from
 # there too: `record` needs floors.json, latency_*.json, throughput_qwen3_8b.json).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" build
+BUDGET_S=${BUDGET_S:-570}
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, wheels, $OUT, PYTHONPATH, fits
+mkdir -p build
 [ -d issue21_carry ] && cp issue21_carry/*.json "$OUT/"
-if ls .whl/*.whl > /dev/null 2>&1; then  # the openai client (phase 10's server tests), absent from the GPU image
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-SECONDS=0
-fits() {  # fits EST NAME: true when EST seconds are left of the budget
-    if [ $(( ${BUDGET_S:-570} - SECONDS )) -lt "$1" ]; then echo "skip $2 ($SECONDS s used)"; return 1; fi
-}
 run() {  # run NAME TIMEOUT CMD...: one command, its log in $OUT/NAME.log, its rc on stdout
     local name=$1 limit=$2; shift 2
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1

@@ -12,14 +12,7 @@
 #             B=1 decode with graphs and TTFT of a 1,024-token prompt, against transformers eager
 #   summary   $OUT/benchmarks.json: llama3_8b_b1_graphs_tok_s, qwen3_30b_a3b_b1_graphs_tok_s and the
 #             ratios the targets are stated in (merged with a benchmarks.json already in $OUT)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-SECONDS=0
-fits() {  # fits EST NAME: true when EST seconds are left of the budget
-    if [ $(( ${BUDGET_S:-580} - SECONDS )) -lt "$1" ]; then echo "skip $2 ($SECONDS s used)"; return 1; fi
-}
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, $OUT, PYTHONPATH, fits
 
 llama() {
     fits 300 llama || return

@@ -13,53 +13,39 @@
 # JSON reports and logs go to $OUT; a summary table is printed last.
 #
 #   bash scripts/gpu_overlap.sh              # or: bash scripts/gpu_overlap.sh latency throughput summary
-set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then  # the openai client (phase 10's server tests), absent from the GPU image
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, wheels, $OUT, PYTHONPATH, logged
 SECTIONS=${*:-tests floors latency throughput serve record summary}
 Q8B=(--preset qwen3-8b --random-weights)
-
-run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, record the exit code
-    local name=$1 seconds=$2
-    shift 2
-    timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name rc=$?" >> "$OUT/sections.log"
-}
 
 for section in $SECTIONS; do
     case $section in
     tests)
-        run cuda_tests 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/09_engine_integration \
+        logged cuda_tests 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/09_engine_integration \
             phases/10_e2e_acceptance phases/11_performance --deselect phases/11_performance/test_perf_gate.py ;;
     floors)
-        run floors 90 python3 scripts/bench_floors.py --json "$OUT/floors.json" ;;
+        logged floors 90 python3 scripts/bench_floors.py --json "$OUT/floors.json" ;;
     latency)
         for mode in overlap no-overlap; do
             extra=(); [ $mode = no-overlap ] && extra=(--no-overlap)
-            run "latency_$mode" 200 python3 -m engine bench latency "${Q8B[@]}" "${extra[@]}" --prompt-lens 128,4096 \
+            logged "latency_$mode" 200 python3 -m engine bench latency "${Q8B[@]}" "${extra[@]}" --prompt-lens 128,4096 \
                 --max-model-len 4160 --decode-tokens 256 --profile "$OUT/trace_$mode.json" --profile-steps 20 \
                 --output "$OUT/latency_$mode.json"
         done ;;
     throughput)
         for mode in overlap no-overlap; do
             extra=(); [ $mode = no-overlap ] && extra=(--no-overlap)
-            run "throughput_$mode" 150 python3 -m engine bench throughput "${Q8B[@]}" "${extra[@]}" \
+            logged "throughput_$mode" 150 python3 -m engine bench throughput "${Q8B[@]}" "${extra[@]}" \
                 --output "$OUT/throughput_$mode.json"
         done ;;
     serve)
         for mode in overlap no-overlap; do
             extra=(); [ $mode = no-overlap ] && extra=(--no-overlap)
-            run "serve_$mode" 200 python3 -m engine bench serve --launch "${Q8B[@]}" "${extra[@]}" --max-model-len 1024 \
+            logged "serve_$mode" 200 python3 -m engine bench serve --launch "${Q8B[@]}" "${extra[@]}" --max-model-len 1024 \
                 --num-prompts 256 --max-concurrency 64 --input-len 512 --output-len 128 --output "$OUT/serve_$mode.json"
         done ;;
     record)
         cp benchmarks.json "$OUT/benchmarks.json" 2>/dev/null
-        run record 60 python3 scripts/record_benchmarks.py "$OUT/latency_overlap.json" "$OUT/throughput_overlap.json" \
+        logged record 60 python3 scripts/record_benchmarks.py "$OUT/latency_overlap.json" "$OUT/throughput_overlap.json" \
             "$OUT/floors.json" --into "$OUT/benchmarks.json" ;;
     summary)
         cat "$OUT/sections.log"

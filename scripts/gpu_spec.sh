@@ -10,31 +10,21 @@
 # JSON reports and logs go to $OUT; a summary table is printed last. No network needed.
 #
 #   bash scripts/gpu_spec.sh                 # or: bash scripts/gpu_spec.sh verify demo summary
-set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, $OUT, PYTHONPATH, logged
 SECTIONS=${*:-tests verify demo record summary}
-
-run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, record the exit code
-    local name=$1 seconds=$2
-    shift 2
-    timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name rc=$?" >> "$OUT/sections.log"
-}
 
 for section in $SECTIONS; do
     case $section in
     tests)
-        run cuda_tests 60 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/13_speculative ;;
+        logged cuda_tests 60 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/13_speculative ;;
     verify)
-        run spec_verify_qwen3_8b 100 python3 -m engine bench spec --preset qwen3-8b --random-weights \
+        logged spec_verify_qwen3_8b 100 python3 -m engine bench spec --preset qwen3-8b --random-weights \
             --num-speculative-tokens 4 --verify-context 512 --verify-steps 100 --output "$OUT/spec_verify_qwen3_8b.json" ;;
     demo)
-        run spec_demo 80 python3 -m engine bench spec --num-speculative-tokens 4 --output "$OUT/spec_demo.json" ;;
+        logged spec_demo 80 python3 -m engine bench spec --num-speculative-tokens 4 --output "$OUT/spec_demo.json" ;;
     record)
         cp benchmarks.json "$OUT/benchmarks.json" 2>/dev/null
-        run record 30 python3 scripts/record_benchmarks.py "$OUT/spec_verify_qwen3_8b.json" "$OUT/spec_demo.json" \
+        logged record 30 python3 scripts/record_benchmarks.py "$OUT/spec_verify_qwen3_8b.json" "$OUT/spec_demo.json" \
             --into "$OUT/benchmarks.json" ;;
     summary)
         cat "$OUT/sections.log"
