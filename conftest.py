@@ -10,7 +10,8 @@
   caches: the CPU (gloo) by default; ``GATES_TORCHRUN_DEVICE=cuda`` puts them on
   ``cuda:LOCAL_RANK``, so their collectives run over NCCL. One GPU per rank: a
   machine with no GPU fails the torchrun tests with that message; one with fewer
-  GPUs than ranks skips them (the 4-rank runs of a 2-GPU host). Under it Triton's
+  GPUs than ranks skips them (the 4-rank runs of a 2-GPU host), as it skips the
+  ``cuda``-marked torchrun tests, which take a GPU per rank whatever the switch. Under it Triton's
   float32 ``tl.dot`` is IEEE float32 (``TRITON_F32_DEFAULT=ieee``, unless set):
   its default TF32 would put errors near 1e-3 into the float32 attention that the
   TP tests compare with float32 HF (on the CPU) at the CPU tolerances.
@@ -83,15 +84,16 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tr = pytest.mark.skip(reason="runs only under torchrun (WORLD_SIZE > 1)")
     gpus = torch.cuda.device_count() if has_cuda else 0
-    too_few_gpus = IN_TORCHRUN and _switch() == "cuda" and 0 < gpus < WORLD_SIZE  # every rank sees the same: all skip
-    skip_gpus = pytest.mark.skip(reason=f"{TORCHRUN_DEVICE_VAR}=cuda: {WORLD_SIZE} ranks need {WORLD_SIZE} GPUs, "
-                                        f"{gpus} here")
+    too_few_gpus = IN_TORCHRUN and 0 < gpus < WORLD_SIZE  # every rank sees the same: all skip
+    skip_gpus = pytest.mark.skip(reason=f"{WORLD_SIZE} ranks on CUDA need {WORLD_SIZE} GPUs, {gpus} here")
     for item in items:
         if item.get_closest_marker("cuda") and not has_cuda:
             item.add_marker(skip_cuda)
         if item.get_closest_marker("torchrun") and not IN_TORCHRUN:
             item.add_marker(skip_tr)
-        if item.get_closest_marker("torchrun") and too_few_gpus:
+        # a GPU per rank: every torchrun test with the switch on, and a `cuda` torchrun test always
+        on_cuda = _switch() == "cuda" or item.get_closest_marker("cuda")
+        if item.get_closest_marker("torchrun") and on_cuda and too_few_gpus:
             item.add_marker(skip_gpus)
 
 

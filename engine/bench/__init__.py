@@ -132,7 +132,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.bench.monitor import GpuMonitor
 
     _check_source(args)
-    report = {"bench": args.mode, "machine": machine(), "settings": _settings(args)}
+    report = {"bench": args.mode, "machine": machine(args.device), "settings": _settings(args)}
     with GpuMonitor(args.gpu_sample_interval) as monitor:
         if args.mode == "serve":
             report["serve"] = run_serve(args)
@@ -304,13 +304,15 @@ def server_command(args: argparse.Namespace) -> list[str]:
     return command + EngineArgs.from_cli_args(args).to_cli_args() + ["--port", "0"]
 
 
-def machine() -> dict:
+def machine(device: str | None = None) -> dict:
+    """What a report was measured on; ``device`` is the run's ``--device`` (None: CUDA when present),
+    so a CPU run on a GPU host is labelled as the CPU run it is."""
     import torch
     import transformers
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not (device or "").startswith("cpu"):
         info.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count(),
                     cuda=torch.version.cuda)
     else:

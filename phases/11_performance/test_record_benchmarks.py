@@ -31,7 +31,7 @@ def latency_report(tmp_path_factory) -> tuple[Path, dict]:
     """A real ``bench latency`` report of the tiny Qwen3 preset, eager, synchronous steps, on the CPU."""
     path = tmp_path_factory.mktemp("bench") / "latency.json"
     assert engine_main(["bench", "latency", "--preset", "tiny-qwen3", "--random-weights", "--enforce-eager",
-                        "--no-overlap",
+                        "--no-overlap", "--device", "cpu",
                         "--max-model-len", "64", "--prompt-lens", "16", "--repeats", "1", "--decode-tokens", "4",
                         "--decode-prompt-len", "8", "--split-steps", "2", "--output", str(path)]) == 0
     return path, json.loads(path.read_text())
