@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from gates.flaky import default_load
 from gates.schema import GateError
 
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
@@ -156,8 +157,8 @@ def apply(tree: Path, mutation: Mutation) -> str:
     return ""
 
 
-def _gate_command(tree: Path, mutation: Mutation, all_phases: bool, report: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "gates", "--root", str(tree), "run", "--report", str(report)]
+def _gate_command(tree: Path, mutation: Mutation, all_phases: bool, report: Path, slots: int) -> list[str]:
+    cmd = [sys.executable, "-m", "gates", "--root", str(tree), "run", "--report", str(report), "--jobs", str(slots)]
     return cmd + (["--keep-going", "--skip-empty"] if all_phases else ["--only", mutation.phase])
 
 
@@ -183,8 +184,10 @@ def _judge(out: Outcome, mutation: Mutation, phases: list[dict]) -> None:
         out.detail = out.detail or reporter["reason"]
 
 
-def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeout_s: float = 3600) -> Outcome:
-    """Apply ``mutation`` to a temporary copy of ``root`` and judge its gate run."""
+def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeout_s: float = 3600,
+                 slots: int = 1) -> Outcome:
+    """Apply ``mutation`` to a temporary copy of ``root`` and judge its gate run (``slots``: the
+    gate run's ``--jobs``)."""
     out = Outcome(mutation.id, mutation.phase, list(mutation.failure_modes), mutation.description)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"audit-{mutation.id}-") as tmp:
@@ -200,7 +203,7 @@ def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeo
         env["PYTHONPATH"] = os.pathsep.join([str(tree), gates_parent])
         env["GATES_AUDIT"] = "1"  # conftest.py: Hypothesis does not shrink (a failure is all the audit needs)
         try:
-            proc = subprocess.run(_gate_command(tree, mutation, all_phases, report), cwd=tree, env=env,
+            proc = subprocess.run(_gate_command(tree, mutation, all_phases, report, slots), cwd=tree, env=env,
                                   capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             out.detail = f"gate run exceeded {timeout_s:g} s"
@@ -216,9 +219,12 @@ def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeo
 
 def run_audit(root: Path, mutations: list[Mutation], all_phases: bool = False, jobs: int = 1,
               progress=print) -> list[Outcome]:
-    """Run every mutation (``jobs`` at a time); ``progress`` gets one line per finished mutation."""
+    """Run every mutation (``jobs`` at a time, the cores shared among their gate runs); ``progress``
+    gets one line per finished mutation."""
+    slots = max(1, default_load() // max(1, jobs))
+
     def one(m: Mutation) -> Outcome:
-        o = run_mutation(root, m, all_phases)
+        o = run_mutation(root, m, all_phases, slots=slots)
         progress(f"{o.id:<28} {o.verdict:<13} hint {'ok' if o.hint_ok else 'MISSING':<8} ({o.duration_s:.0f} s)")
         return o
 

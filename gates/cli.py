@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from gates import audit, diff, next_step, report
+from gates import audit, diff, flaky, next_step, report
 from gates.execute import pytest_command
 from gates.exercise import exercise, select
 from gates.phases import defines_test, discover, has_tests, test_files, topological_order
@@ -25,6 +25,12 @@ def _phase_id(text: str) -> str:
     if not text.isdigit() or len(text) > 2:
         raise argparse.ArgumentTypeError(f"not a phase id: {text!r}")
     return text.zfill(2)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _phase_ids(text: str) -> list[str]:
@@ -50,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="torchrun runs only at these rank counts, e.g. 2 on a two-GPU host (default: every "
                           "count a gate names)")
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
+    run.add_argument("--jobs", type=_positive, default=flaky.default_load(),
+                     help="CPU slots the runs share: phases whose dependencies passed run side by side, a torchrun "
+                          "run takes a slot per rank, a single run spreads its test files over free slots "
+                          "(pytest-xdist); 1 runs one thing at a time (default: the cores here, %(default)s)")
+    run.add_argument("--repeat", type=_positive, default=1,
+                     help="run the selection N times and list every test whose outcome differed (flaky tests)")
+    run.add_argument("--load", action="store_true",
+                     help="beside the runs, one busy process per core (they stop by themselves when the run ends)")
     status = sub.add_parser("status", help="the table of the last report")
     status.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
     nxt = sub.add_parser("next", help="from the last report: the first phase to work on, its failing tests, the "
@@ -167,12 +181,32 @@ def cmd_show(root: Path, phase_id: str) -> int:
 
 
 def cmd_run(root: Path, args, argv: list[str]) -> int:
+    """Exit code 1 if a phase failed or was blocked in any repeat, or a test's outcome differed
+    between repeats."""
     options = Options(upto=args.upto, only=args.only, start=args.start, keep_going=args.keep_going,
-                      mode=args.mode, skip_empty=args.skip_empty, nproc=args.nproc)
-    results = run_gates(root, options)
-    code = exit_code(results)
+                      mode=args.mode, skip_empty=args.skip_empty, nproc=args.nproc, jobs=args.jobs)
+    load = flaky.default_load() if args.load else 0
+    repeats = []
+    with flaky.cpu_load(load):
+        for i in range(args.repeat):
+            if args.repeat > 1:
+                print(f"\n#### repeat {i + 1} of {args.repeat}{f' beside {load} busy processes' if load else ''}",
+                      flush=True)
+            results = run_gates(root, options)
+            repeats.append((results, exit_code(results)))
+    code = max(c for _, c in repeats)
     data = report.build_report(results, argv, code)
     report.print_table(data["phases"])
+    if args.repeat > 1:
+        differ = flaky.differing([flaky.outcomes(r) for r, _ in repeats])
+        code = max(code, int(bool(differ)))
+        data["exit_code"] = code
+        data["repeats"] = {"count": args.repeat, "busy_processes": load, "differing_tests": differ,
+                           "statuses": [{r.id: r.status for r in results} for results, _ in repeats]}
+        print(f"\n{args.repeat} repeats{f' beside {load} busy processes' if load else ''}: "
+              f"{len(flaky.outcomes(results))} test outcomes compared, {len(differ)} differed")
+        for name, got in differ.items():
+            print(f"  FLAKY {name}: {', '.join(got)}")
     report.write_report(data, args.report or root / "gate-report.json")
     return code
 

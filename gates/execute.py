@@ -1,6 +1,7 @@
 """Execute one run of a gate as a subprocess and collect its per-test results.
 
-``single``: ``python -m pytest -m "not torchrun" <tests>``.
+``single``: ``python -m pytest -m "not torchrun" <tests>`` (``-n W --dist loadfile`` with W
+pytest-xdist workers, each test file on one worker).
 ``torchrun``: ``python -m torch.distributed.run --standalone --nproc_per_node N
 -m pytest -m torchrun <tests>`` (standalone rendezvous picks a free port).
 Results come from ``gates.pytest_plugin`` (one JSON file per rank); a test that
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ class RunResult:
     tests: tuple[str, ...]
     status: str
     reason: str = ""
+    workers: int = 1     # xdist processes of a single run
     command: str = ""
     returncode: int | None = None
     duration_s: float = 0.0
@@ -58,12 +61,14 @@ class RunResult:
         return run_label(self.mode, self.nproc)
 
 
-def pytest_command(run: Run, nproc: int, root: Path) -> list[str]:
-    """The command line for ``run`` (with ``nproc`` ranks when it is a torchrun run)."""
+def pytest_command(run: Run, nproc: int, root: Path, workers: int = 1) -> list[str]:
+    """The command line for ``run`` (with ``nproc`` ranks when it is a torchrun run, ``workers``
+    xdist processes when it is a single run and ``workers`` > 1)."""
     pytest_args = ["-m", "pytest", "-p", "gates.pytest_plugin", "-p", "no:cacheprovider",
                    "--rootdir", str(root), "-q", "-rfE"]
     if run.mode == "single":
-        return [sys.executable, *pytest_args, "-m", "not torchrun", *run.tests]
+        spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+        return [sys.executable, *pytest_args, *spread, "-m", "not torchrun", *run.tests]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(nproc), *pytest_args, "-m", "torchrun", *run.tests]
 
@@ -78,8 +83,10 @@ def missing_requirements(run: Run) -> list[str]:
     return []
 
 
-def _child_env(result_dir: str) -> dict[str, str]:
+def _child_env(result_dir: str, threads: int | None) -> dict[str, str]:
     env = dict(os.environ)
+    if threads is not None:  # runs side by side: torch's intra-op threads of each process kept to its slots
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     package_parent = str(Path(gates.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     env["GATES_RESULT_DIR"] = result_dir
@@ -103,6 +110,18 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+_running: set[int] = set()   # the process ids of the runs under way (runs execute in threads)
+_running_lock = threading.Lock()
+
+
+def kill_running() -> None:
+    """Kill every run under way and all it started (an interrupted gate run leaves no process behind)."""
+    with _running_lock:
+        pids = list(_running)
+    for pid in pids:
+        _kill_tree(pid)
 
 
 def _kill_tree(pid: int) -> None:
@@ -139,23 +158,30 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
     return merged, ranks
 
 
-def execute(run: Run, nproc: int, root: Path) -> RunResult:
-    """Run ``run`` (at ``nproc`` ranks for torchrun) under ``root``; kill it and every
-    process it started after ``run.timeout_s``."""
-    result = RunResult(run.mode, nproc, run.tests, status="failed")
-    cmd = pytest_command(run, nproc, root)
+def execute(run: Run, nproc: int, root: Path, workers: int = 1, threads: int | None = None) -> RunResult:
+    """Run ``run`` (at ``nproc`` ranks for torchrun, over ``workers`` xdist processes for a
+    single run) under ``root``, each process at ``threads`` OpenMP threads unless the
+    environment says (None: torch's default); kill it and every process it started after
+    ``run.timeout_s``."""
+    result = RunResult(run.mode, nproc, run.tests, status="failed", workers=workers)
+    cmd = pytest_command(run, nproc, root, workers)
     result.command = shlex.join(cmd)
     with tempfile.TemporaryDirectory(prefix="gates-") as result_dir:
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=root, env=_child_env(result_dir), text=True,
+        proc = subprocess.Popen(cmd, cwd=root, env=_child_env(result_dir, threads), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        with _running_lock:
+            _running.add(proc.pid)
         try:
             output, _ = proc.communicate(timeout=run.timeout_s)
         except subprocess.TimeoutExpired:
             _kill_tree(proc.pid)
             output, _ = proc.communicate()
             result.reason = f"timeout after {run.timeout_s:g} s"
+        finally:
+            with _running_lock:
+                _running.discard(proc.pid)
         result.duration_s = round(time.monotonic() - start, 2)
         result.returncode = proc.returncode
         result.output_tail = output[-OUTPUT_TAIL_CHARS:]

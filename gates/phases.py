@@ -99,6 +99,16 @@ def has_tests(root: Path, target: str) -> bool:
     return path.is_dir() and any(path.rglob("test_*.py"))
 
 
+def count_test_files(root: Path, targets: tuple[str, ...]) -> int:
+    """How many test files the targets (paths or node ids, relative to ``root``) cover: a node id
+    or a file counts one, a directory each ``test_*.py`` under it."""
+    count = 0
+    for target in targets:
+        path = root / target.split("::")[0]
+        count += len(list(path.rglob("test_*.py"))) if path.is_dir() else 1
+    return count
+
+
 def test_files(phase: Phase) -> list[Path]:
     """The test files in the phase directory."""
     return sorted(phase.path.rglob("test_*.py"))

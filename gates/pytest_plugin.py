@@ -6,7 +6,8 @@ end of the session: ``{"rank", "exitstatus", "tests": [{"nodeid", "outcome",
 error (setup, teardown or collection errors), ``"failed_at"`` (wall-clock seconds) on a
 failure, and ``"properties"`` where a test called
 ``record_property`` (the performance gate records its benchmark figures so). Without the
-variable it records nothing.
+variable it records nothing. Under pytest-xdist the controller, which receives every
+worker's reports, writes the file; the workers write none.
 
 Under torchrun (WORLD_SIZE > 1) a failing test aborts its rank at once: the
 rank writes its file, prints the error and exits, and torchrun stops the other
@@ -49,7 +50,7 @@ def _in_torchrun() -> bool:
 
 def _write(exitstatus: int) -> None:
     out_dir = os.environ.get("GATES_RESULT_DIR")
-    if not out_dir:
+    if not out_dir or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller gets every report
         return
     rank = int(os.environ.get("RANK", "0"))
     payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}

@@ -25,48 +25,50 @@ def note(text: str) -> None:
     _say(f"note: {text}")
 
 
-def phase_started(phase, gate) -> None:
+def phase_header(phase, gate) -> str:
     deps = ", ".join(gate.depends_on) or "none"
-    _say(f"\n== {gate.id} {gate.title}  ({phase.rel}; depends on {deps})")
+    return f"\n== {gate.id} {gate.title}  ({phase.rel}; depends on {deps})"
 
 
-def run_started(run, nproc: int) -> None:
-    _say(f"   > {run_label(run.mode, nproc):<18} {' '.join(run.tests)}")
+def run_start_line(run, nproc: int, workers: int) -> str:
+    spread = f" ({workers} workers)" if workers > 1 else ""
+    return f"   > {run_label(run.mode, nproc):<18} {' '.join(run.tests)}{spread}"
 
 
 def _counts(c: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in c.items() if n) or "0 tests"
 
 
-def run_finished(r) -> None:
+def run_line(r) -> str:
     detail = _counts(r.counts) if r.command else ""
     extra = "; ".join(x for x in (detail, r.reason) if x)
-    _say(f"   < {r.label:<18} {r.status.upper():<8} {extra}  ({r.duration_s:.1f} s)")
+    return f"   < {r.label:<18} {r.status.upper():<8} {extra}  ({r.duration_s:.1f} s)"
 
 
-def phase_finished(res) -> None:
-    _say(f"   {res.id}: {res.status}" + (f" - {res.reason}" if res.reason else ""))
+def phase_lines(res) -> list[str]:
+    """A finished phase's verdict and, when it failed, its failing tests (messages shortened),
+    the last output of a run that failed without a failing test, and the failure modes they match."""
+    lines = [f"   {res.id}: {res.status}" + (f" - {res.reason}" if res.reason else "")]
     if res.status != "FAIL":
-        return
+        return lines
     failing = [(r, t) for r in res.runs for t in r.failing]
     for r, t in failing[:FAILING_SHOWN]:
         ranks = f" (rank {', '.join(map(str, t['ranks']))})" if r.mode == "torchrun" else ""
-        _say(f"   {t['outcome'].upper()} {t['nodeid']}{ranks} [{r.label}]")
+        lines.append(f"   {t['outcome'].upper()} {t['nodeid']}{ranks} [{r.label}]")
         if t["message"]:
-            lines = t["message"].strip().splitlines()[:MESSAGE_LINES]
-            _say(textwrap.indent("\n".join(line[:200] for line in lines), "          "))
+            message = t["message"].strip().splitlines()[:MESSAGE_LINES]
+            lines.append(textwrap.indent("\n".join(line[:200] for line in message), "          "))
     if len(failing) > FAILING_SHOWN:
-        _say(f"   ... and {len(failing) - FAILING_SHOWN} more (see the JSON report)")
+        lines.append(f"   ... and {len(failing) - FAILING_SHOWN} more (see the JSON report)")
     if not failing:
         for r in res.runs:
             if r.status == "failed" and r.output_tail:
-                _say(f"   last output of {r.label}:")
-                _say(textwrap.indent("\n".join(r.output_tail.splitlines()[-TAIL_LINES:]), "   | "))
+                lines.append(f"   last output of {r.label}:")
+                lines.append(textwrap.indent("\n".join(r.output_tail.splitlines()[-TAIL_LINES:]), "   | "))
     for fm in res.failure_modes:
-        _say(f"   possible failure mode {fm.id}:")
-        _say(f"      symptom: {fm.symptom}")
-        _say(f"      check:   {fm.check}")
-        _say(f"      fix:     {fm.fix}")
+        lines += [f"   possible failure mode {fm.id}:", f"      symptom: {fm.symptom}",
+                  f"      check:   {fm.check}", f"      fix:     {fm.fix}"]
+    return lines
 
 
 def print_table(phases: list[dict]) -> None:

@@ -1,5 +1,10 @@
 """Run the selected phases in dependency order and decide each phase's status.
 
+A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
+and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
+run takes one per rank, a single run one, or one xdist worker per test file where slots are
+free that nothing else waiting could use. Console output stays in dependency order.
+
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
 is never PASS). BLOCKED: a selected dependency did not pass; its tests are not
@@ -9,12 +14,13 @@ requirement, for ``mode`` filtering, or (``skip_empty``) for having no tests yet
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gates import report
-from gates.execute import RunResult, execute, missing_requirements
-from gates.phases import Phase, defines_test, discover, has_tests, select, topological_order
+from gates.execute import RunResult, execute, kill_running, missing_requirements
+from gates.phases import Phase, count_test_files, defines_test, discover, has_tests, select, topological_order
 from gates.schema import FailureMode, Gate, GateError, Run
 
 PASS, FAIL, BLOCKED, SKIP = "PASS", "FAIL", "BLOCKED", "SKIP"
@@ -29,6 +35,7 @@ class Options:
     mode: str = "all"          # single | torchrun | all
     skip_empty: bool = False
     nproc: tuple[int, ...] | None = None   # torchrun only at these rank counts (None: every count a gate names)
+    jobs: int = 1   # CPU slots the runs share (see run_gates)
 
 
 @dataclass
@@ -85,8 +92,9 @@ def missing_rule_tests(root: Path, gate: Gate) -> list[str]:
     return [r.test for r in gate.eager_gate if not defines_test(root, r.test)]
 
 
-def _attempt(root: Path, run: Run, nproc: int) -> RunResult:
-    """Execute ``run`` at ``nproc`` ranks, or say why it cannot run here."""
+def _attempt(root: Path, run: Run, nproc: int, workers: int, threads: int | None) -> RunResult:
+    """Execute ``run`` at ``nproc`` ranks (``workers`` pytest-xdist processes for a single run), or
+    say why it cannot run here."""
     missing = missing_requirements(run)
     if missing:
         return RunResult(run.mode, nproc, run.tests, "skipped", f"requires {', '.join(missing)}")
@@ -95,33 +103,46 @@ def _attempt(root: Path, run: Run, nproc: int) -> RunResult:
         return RunResult(run.mode, nproc, run.tests, "empty", "no test files yet")
     if absent:
         return RunResult(run.mode, nproc, run.tests, "failed", f"missing test path(s): {', '.join(absent)}")
-    report.run_started(run, nproc)
-    return execute(run, nproc, root)
+    return execute(run, nproc, root, workers, threads)
 
 
-def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
+@dataclass
+class Job:
+    """One run of a phase at one rank count, waiting for CPU slots or running."""
+    phase: str
+    index: int          # its place among the phase's runs (the report keeps that order)
+    run: Run
+    nproc: int
+    result: RunResult | None = None
+
+
+def _phase_jobs(root: Path, gate: Gate, options: Options) -> tuple[PhaseResult, list[Job], list[int]]:
+    """The phase's result so far (decided already when it has nothing to run or a broken
+    eager gate), the jobs it runs, and the torchrun sizes ``--nproc`` leaves out."""
     result = PhaseResult(gate.id, gate.title, gate.depends_on)
     runs = [r for r in gate.runs if options.mode in ("all", r.mode)]
     if not runs:
         result.status, result.reason = SKIP, f"no {options.mode} runs"
-        return result
+        return result, [], []
     missing = missing_rule_tests(root, gate)
     if missing and any(has_tests(root, t) for r in gate.runs for t in r.tests):
         result.status = FAIL
         result.reason = "eager-gate rule names no test: " + ", ".join(missing)
-        return result
-    left_out = []  # torchrun sizes --nproc left out: said in the reason, never a silent PASS
+        return result, [], []
+    jobs, left_out = [], []
     for run in runs:
         sizes = run.nproc or (1,)
         if run.mode == "torchrun" and options.nproc is not None:
             left_out += [n for n in sizes if n not in options.nproc]
             sizes = tuple(n for n in sizes if n in options.nproc)
-        for nproc in sizes:
-            result.runs.append(_attempt(root, run, nproc))
-            report.run_finished(result.runs[-1])
-    if not result.runs:
+        jobs += [Job(gate.id, len(jobs), run, n) for n in sizes]
+    if not jobs:
         result.status, result.reason = SKIP, f"no runs at nproc {', '.join(map(str, options.nproc or ()))}"
-        return result
+    return result, jobs, left_out
+
+
+def _judge_phase(result: PhaseResult, gate: Gate, options: Options, left_out: list[int]) -> None:
+    """Set the status and reason of a phase whose runs have all finished."""
     skipped = [r for r in result.runs if r.status == "skipped"]
     empty = [r for r in result.runs if r.status == "empty"]
     failed = [r for r in result.runs if r.status == "failed"]
@@ -141,32 +162,123 @@ def _run_phase(root: Path, gate: Gate, options: Options) -> PhaseResult:
     if left_out and result.status == PASS:
         note = f"torchrun nproc={','.join(map(str, sorted(set(left_out))))} not run (--nproc)"
         result.reason = f"{result.reason}; {note}" if result.reason else note
-    return result
+
+
+class OrderedOutput:
+    """Each phase's console lines in run order, whatever order the phases run in: the first
+    phase not yet finished prints as it goes; a later phase's lines wait until every phase
+    before it has finished, then come out together."""
+
+    def __init__(self, order: list[str]):
+        self.order, self.head, self.done = order, 0, set()
+        self.waiting: dict[str, list[str]] = {i: [] for i in order}
+
+    def say(self, phase: str, line: str) -> None:
+        if self.order[self.head] == phase:
+            print(line, flush=True)
+        else:
+            self.waiting[phase].append(line)
+
+    def finish(self, phase: str) -> None:
+        self.done.add(phase)
+        while self.head < len(self.order) and self.order[self.head] in self.done:
+            self.head += 1
+            if self.head < len(self.order):
+                for line in self.waiting.pop(self.order[self.head]):
+                    print(line, flush=True)
+
+
+def _slots(job: Job, root: Path, free: int, others_waiting: int, jobs: int) -> int:
+    """CPU slots ``job`` takes: a torchrun run one per rank (at most every slot); a single run
+    one, or, when slots are free that no other waiting job can use, one xdist worker per test
+    file up to those slots."""
+    if job.run.mode == "torchrun":
+        return min(job.nproc, jobs)
+    spare = free - others_waiting
+    return max(1, min(spare, count_test_files(root, job.run.tests)))
 
 
 def run_gates(root: Path, options: Options) -> list[PhaseResult]:
-    """Run the selected phases of the tree at ``root``; print progress and
-    failures as they happen. Raises GateError for a bad tree or selection."""
+    """Run the selected phases of the tree at ``root``; print progress and failures as they
+    happen, phase by phase in dependency order. A phase starts once every selected phase it
+    depends on has passed (or been skipped); with ``options.jobs`` > 1 its runs, and those of
+    other phases ready at the same time, share that many CPU slots. Raises GateError for a bad
+    tree or selection."""
     ordered, notes = plan(root, options)
     for note in notes:
         report.note(note)
-    results: dict[str, PhaseResult] = {}
-    for phase, gate in ordered:
-        bad = [d for d in gate.depends_on if d in results and results[d].status in (FAIL, BLOCKED)]
-        report.phase_started(phase, gate)
-        if bad and not options.keep_going:
-            res = PhaseResult(gate.id, gate.title, gate.depends_on, BLOCKED,
-                              "dependency " + ", ".join(f"{d} {results[d].status}" for d in bad))
-        else:
-            start = time.monotonic()
-            res = _run_phase(root, gate, options)
-            res.duration_s = round(time.monotonic() - start, 2)
-            if bad:
-                res.reason = "; ".join(x for x in (res.reason, "ran although dependency "
-                                       + ", ".join(f"{d} {results[d].status}" for d in bad)) if x)
-        report.phase_finished(res)
-        results[gate.id] = res
-    return list(results.values())
+    gates = {gate.id: (phase, gate) for phase, gate in ordered}
+    output = OrderedOutput(list(gates))
+    results: dict[str, PhaseResult] = {}      # decided phases
+    started: dict[str, tuple[PhaseResult, list[Job], list[int], float, str]] = {}  # result, jobs, --nproc
+    # sizes left out, start time, a note when it runs although a dependency failed (--keep-going)
+    queue: list[Job] = []
+    running: dict[Future, tuple[Job, int]] = {}
+    free = max(1, options.jobs)
+    threads = 1 if options.jobs > 1 else None  # side by side, each process keeps to its own core
+
+    def decide(res: PhaseResult) -> None:
+        results[res.id] = res
+        for line in report.phase_lines(res):
+            output.say(res.id, line)
+        output.finish(res.id)
+
+    def finish_phase(pid: str) -> None:
+        """Judge a started phase whose jobs have all finished (or that had none to run)."""
+        res, jobs, left_out, began, although = started[pid]
+        if jobs:
+            res.runs = [j.result for j in jobs]
+            res.duration_s = round(time.monotonic() - began, 2)
+            _judge_phase(res, gates[pid][1], options, left_out)
+        res.reason = "; ".join(x for x in (res.reason, although) if x)
+        decide(res)
+
+    def start_ready_phases() -> None:
+        for pid, (phase, gate) in gates.items():
+            if pid in started or pid in results:
+                continue
+            if any(d in gates and d not in results for d in gate.depends_on):
+                continue
+            bad = [d for d in gate.depends_on if d in results and results[d].status in (FAIL, BLOCKED)]
+            output.say(pid, report.phase_header(phase, gate))
+            why = ", ".join(f"{d} {results[d].status}" for d in bad)
+            if bad and not options.keep_going:
+                decide(PhaseResult(gate.id, gate.title, gate.depends_on, BLOCKED, "dependency " + why))
+                continue
+            res, jobs, left_out = _phase_jobs(root, gate, options)
+            started[pid] = (res, jobs, left_out, time.monotonic(), "ran although dependency " + why if bad else "")
+            if jobs:
+                queue.extend(jobs)
+            else:
+                finish_phase(pid)
+
+    with ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
+        try:
+            start_ready_phases()
+            while queue or running:
+                for job in list(queue):
+                    want = _slots(job, root, free, len(queue) - 1, options.jobs)
+                    if want > free and (running or job is not queue[0]):
+                        continue
+                    queue.remove(job)
+                    free -= want
+                    workers = want if job.run.mode == "single" else 1
+                    output.say(job.phase, report.run_start_line(job.run, job.nproc, workers))
+                    future = pool.submit(_attempt, root, job.run, job.nproc, workers, threads)
+                    running[future] = (job, want)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: list(gates).index(running[f][0].phase)):
+                    job, want = running.pop(future)
+                    free += want
+                    job.result = future.result()
+                    output.say(job.phase, report.run_line(job.result))
+                    if all(j.result is not None for j in started[job.phase][1]):
+                        finish_phase(job.phase)
+                start_ready_phases()
+        except BaseException:
+            kill_running()
+            raise
+    return [results[pid] for pid in gates]
 
 
 def exit_code(results: list[PhaseResult]) -> int:

@@ -119,11 +119,12 @@ def by_id(report):
 
 
 def test_phases_run_in_dependency_order(full, tree):
+    """The report lists phases in dependency order; 04 runs before 01 and 07, which stand on it
+    (01 and 07 may then run side by side, in either order)."""
     _, _, report = full
     assert [p["id"] for p in report["phases"]] == ["04", "01", "02", "03", "05", "06", "07", "08"]
     executed = (tree / "order.log").read_text().split()
-    assert executed[:2] == ["04", "01"]
-    assert sorted(executed[2:]) == ["07-rank0", "07-rank1"]
+    assert executed[0] == "04" and sorted(executed[1:]) == ["01", "07-rank0", "07-rank1"]
 
 
 def test_failure_blocks_dependents_but_independent_phases_run(full, tree):

@@ -1,0 +1,173 @@
+"""The runner's CPU slots (``python -m gates run --jobs N``) and its flake detector
+(``--repeat N --load``), on temporary phase trees: independent phases really run side by side,
+a phase still waits for what it stands on, output stays in dependency order, a single run
+spreads its files over xdist workers, and a test whose outcome changes between repeats is named.
+Concurrency is shown by behaviour (each test waits for the other's file), never by timing."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gate_trees import gate, write_phase
+from gates import flaky
+from gates.runner import OrderedOutput
+from test_gates_run import by_id, passing_test, run_cli
+
+# Writes its own marker, then polls (60 s hang guard) for the other phase's: passes only when the
+# two phases' runs are alive at the same time.
+MEET = """
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_meets_the_other_phase():
+    (ROOT / "{me}.started").write_text("")
+    deadline = time.monotonic() + 60
+    while not (ROOT / "{other}.started").exists():
+        assert time.monotonic() < deadline, "the other phase never ran beside this one"
+        time.sleep(0.05)
+"""
+
+# Fails on the first run of the tree, passes on later ones (a counter file beside the tree).
+FLIPS = """
+from pathlib import Path
+
+COUNT = Path(__file__).parents[2] / "runs.count"
+
+
+def test_flips():
+    runs = int(COUNT.read_text()) if COUNT.exists() else 0
+    COUNT.write_text(str(runs + 1))
+    assert runs > 0, "first run"
+
+
+def test_steady():
+    pass
+"""
+
+
+def test_independent_phases_run_side_by_side_after_what_they_stand_on(tmp_path):
+    """02 and 03 both stand on 01 only: with two slots they run at once (each test waits for the
+    other's file); 01 runs first and alone."""
+    write_phase(tmp_path, "01", gate("01"), passing_test("01"))
+    write_phase(tmp_path, "02", gate("02", ["01"]), {"test_meet.py": MEET.format(me="02", other="03")})
+    write_phase(tmp_path, "03", gate("03", ["01"]), {"test_meet.py": MEET.format(me="03", other="02")})
+    code, out, report = run_cli(tmp_path, "--jobs", "2")
+    assert code == 0, out
+    assert [(p["id"], p["status"]) for p in report["phases"]] == [("01", "PASS"), ("02", "PASS"), ("03", "PASS")]
+    assert (tmp_path / "order.log").read_text().split() == ["01"]
+    # printed in dependency order, each phase's block whole
+    assert out.index("== 01") < out.index("01: PASS") < out.index("== 02") < out.index("02: PASS") \
+        < out.index("== 03") < out.index("03: PASS")
+
+
+def test_a_phase_blocked_by_a_failure_never_runs_beside_others(tmp_path):
+    """With slots to spare, a phase whose dependency fails is still BLOCKED and never started."""
+    write_phase(tmp_path, "01", gate("01"), {"test_fail.py": "def test_fails():\n    assert False\n"})
+    write_phase(tmp_path, "02", gate("02", ["01"]), passing_test("02"))
+    write_phase(tmp_path, "03", gate("03"), passing_test("03"))
+    code, _, report = run_cli(tmp_path, "--jobs", "4")
+    phases = by_id(report)
+    assert code == 1 and phases["02"]["status"] == "BLOCKED" and phases["02"]["runs"] == []
+    assert phases["03"]["status"] == "PASS"
+    assert (tmp_path / "order.log").read_text().split() == ["03"]
+
+
+def test_a_single_run_spreads_its_files_over_free_slots(tmp_path):
+    """One phase, two test files, two slots: two xdist workers, and the report still holds every
+    test (the xdist controller writes the results, the workers none)."""
+    files = {"test_meet_a.py": MEET.format(me="a", other="b"), "test_meet_b.py": MEET.format(me="b", other="a")}
+    write_phase(tmp_path, "01", gate("01"), files)
+    code, out, report = run_cli(tmp_path, "--jobs", "2")
+    (run,) = by_id(report)["01"]["runs"]
+    assert code == 0, out
+    assert run["workers"] == 2 and "-n 2 --dist loadfile" in run["command"]
+    assert sorted(t["nodeid"] for t in run["test_results"]) == [
+        f"phases/01_p/test_meet_{x}.py::test_meets_the_other_phase" for x in "ab"]
+
+
+def test_one_job_runs_one_thing_at_a_time(tmp_path):
+    write_phase(tmp_path, "01", gate("01"), {"test_a.py": "def test_a():\n    pass\n",
+                                             "test_b.py": "def test_b():\n    pass\n"})
+    code, _, report = run_cli(tmp_path, "--jobs", "1")
+    (run,) = by_id(report)["01"]["runs"]
+    assert code == 0 and run["workers"] == 1 and " -n " not in run["command"]
+
+
+def test_ordered_output_holds_a_later_phase_until_the_earlier_ones_finish(capsys):
+    out = OrderedOutput(["01", "02", "03"])
+    out.say("01", "01 starts")
+    out.say("03", "03 starts")
+    out.say("02", "02 starts")
+    out.finish("03")
+    assert capsys.readouterr().out.splitlines() == ["01 starts"]
+    out.finish("01")
+    assert capsys.readouterr().out.splitlines() == ["02 starts"]
+    out.say("02", "02 more")
+    out.finish("02")
+    assert capsys.readouterr().out.splitlines() == ["02 more", "03 starts"]
+
+
+def test_repeat_names_a_test_whose_outcome_changed(tmp_path):
+    write_phase(tmp_path, "01", gate("01"), {"test_flips.py": FLIPS})
+    code, out, report = run_cli(tmp_path, "--repeat", "3")
+    assert code == 1
+    assert report["repeats"]["differing_tests"] == {
+        "01 | single | phases/01_p/test_flips.py::test_flips": ["failed", "passed", "passed"]}
+    assert report["repeats"]["statuses"] == [{"01": "FAIL"}, {"01": "PASS"}, {"01": "PASS"}]
+    assert "FLAKY 01 | single | phases/01_p/test_flips.py::test_flips: failed, passed, passed" in out
+    assert "2 test outcomes compared, 1 differed" in out
+
+
+def test_repeat_of_a_steady_tree_under_load_finds_nothing(tmp_path):
+    write_phase(tmp_path, "01", gate("01"), passing_test("01"))
+    code, out, report = run_cli(tmp_path, "--repeat", "2", "--load")
+    assert code == 0, out
+    assert report["repeats"]["differing_tests"] == {} and report["repeats"]["busy_processes"] >= 1
+    assert "beside" in out and "0 differed" in out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "X"
+    return state != "Z"
+
+
+def _wait_until(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_busy_processes_end_with_the_block_and_with_their_parent():
+    with flaky.cpu_load(2):
+        busy = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), os.getpid())]
+        assert len(busy) == 2 and all(map(_alive, busy))
+    assert not any(map(_alive, busy))
+    # a runner killed inside the block: its busy process notices and ends by itself
+    parent = subprocess.Popen([sys.executable, "-c", "import time\nfrom gates import flaky\n"
+                               "with flaky.cpu_load(1):\n    print('up', flush=True)\n    time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "up"
+    (child,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), parent.pid)]
+    parent.kill()
+    parent.wait()
+    _wait_until(lambda: not _alive(child), "a busy process outlived its parent")
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == parent
+    except (OSError, IndexError, ValueError):
+        return False
