@@ -184,12 +184,16 @@ def test_paged_decode_split_count_does_not_change_the_result(target, num_splits,
     answer, merged by a second launch or by the last split to arrive (``fused_merge``; called
     twice: its arrival counters are back at zero). Each split takes whole 64-token tiles of its
     own context: at 40 splits the 2200-token context fills 35 (more than one 32-split merge
-    step), 150 tokens fill 3 and 1 token fills 1, the rest stay empty; with one split the split
-    kernel writes the output itself. A context of 0 stays a zero row on every path."""
+    step), 150 tokens fill 3 and 1 token fills 1, the rest stay empty; at 3 splits a 330-token
+    context fills all three (2, 2 and 2 tiles, the last one partial); with one split the split
+    kernel writes the output itself. A context of 0 stays a zero row on every path. (The
+    2200-token context runs only where more than 32 splits need it: under the Triton interpreter
+    it is most of this file's time.)"""
     if "triton" not in target.module:
         pytest.skip("num_splits is a Triton-backend knob")
+    longest = 2200 if num_splits > 32 else 330
     for seed in (num_splits, num_splits + 1):
-        run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 0, 2200], seed=seed, num_splits=num_splits,
+        run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 0, longest], seed=seed, num_splits=num_splits,
                    fused_merge=fused_merge)
 
 
