@@ -1,0 +1,76 @@
+"""Who may call the server: an API key, cross-origin browsers, TLS.
+
+``api_key_middleware(key)``: every ``/v1/*`` route answers 401 with an OpenAI error object unless
+the request carries ``Authorization: Bearer <key>`` (compared in constant time); ``OPEN_ROUTES``
+(``/health``, ``/metrics``, ``/version``) stay open, as do ``OPTIONS`` preflights.
+``cors_middleware(origins)``: answers a browser's preflight and adds ``Access-Control-Allow-*``
+headers for the listed origins (``*`` for any); without it (the default) no CORS header is sent
+and browsers on other origins are refused by their own same-origin rule.
+``ssl_context(certfile, keyfile)``: the server's TLS context (``--ssl-certfile`` /
+``--ssl-keyfile``).
+"""
+from __future__ import annotations
+
+import hmac
+import ssl
+
+from aiohttp import web
+
+API_KEY_ENV = "AGENT_INFER_API_KEY"
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type"
+
+
+def _unauthorized(message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def api_key_middleware(key: str):
+    """A middleware refusing ``/v1/*`` requests without ``Authorization: Bearer key`` (401)."""
+    if not key:
+        raise ValueError("the API key must not be empty")
+    expected = key.encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path in OPEN_ROUTES or not request.path.startswith("/v1"):
+            return await handler(request)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            return _unauthorized("incorrect API key")
+        return await handler(request)
+
+    return check_api_key
+
+
+def cors_middleware(origins: list[str]):
+    """A middleware answering preflights and labelling responses for ``origins`` (``["*"]``: any)."""
+    allowed = frozenset(origins)
+
+    def headers_for(origin: str | None) -> dict[str, str]:
+        if origin is None or not ("*" in allowed or origin in allowed):
+            return {}
+        return {"Access-Control-Allow-Origin": "*" if "*" in allowed else origin, "Vary": "Origin",
+                "Access-Control-Allow-Methods": CORS_METHODS, "Access-Control-Allow-Headers": CORS_HEADERS}
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        headers = headers_for(request.headers.get("Origin"))
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204 if headers else 403, headers=headers)
+        response = await handler(request)
+        response.headers.update(headers)
+        return response
+
+    return cors
+
+
+def ssl_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    """A server TLS context from a PEM certificate chain and its private key."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    return context
