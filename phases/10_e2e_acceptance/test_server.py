@@ -129,7 +129,7 @@ def _in_step_with_the_engine(served, create) -> list:
         for chunk in create():
             chunks.append(chunk)
             received[0] += sum(len(_choice_text(choice)) for choice in chunk.choices)
-    assert not gave_up, gave_up[0]
+    assert not gave_up, f"{gave_up[0]}: text it had posted did not reach the client before the next step"
     return chunks
 
 
@@ -189,8 +189,8 @@ def test_streamed_text_leaves_before_the_request_finishes(served, client, oracle
     with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
         pieces = read(client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
                                                 **GREEDY))
-    assert not gave_up, gave_up[0]
     assert unfinished_at_first_text == [True], "the first text left with the finish, not before it"
+    assert not gave_up, gave_up[0]
     assert "".join(pieces) == text
 
     late = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
