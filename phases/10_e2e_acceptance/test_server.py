@@ -12,6 +12,7 @@ import pytest
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from server_cases import (
+    HANG_GUARD_S,
     PROMPTS,
     assert_error_object,
     held_steps,
@@ -58,7 +59,8 @@ def served(model_dir):
 
 @pytest.fixture
 def client(served):
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+    # reads outlast the engine's hang guard, so a held-back stream fails on what the engine saw
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=2 * HANG_GUARD_S) as c:
         yield c
     wait_idle(served.engine_loop)
 
