@@ -124,7 +124,8 @@ def _in_step_with_the_engine(served, create) -> list:
     """The chunks of the streaming request ``create()`` makes, read while the engine is held before
     each step until every character it has posted has reached this client. Each step's text must
     then leave in an event of its own before the next step runs, whatever the machine's load: a
-    server that holds text back leaves the engine waiting (the hang guard fails the test)."""
+    server that holds text back leaves the engine waiting (the hang guard fails the test). For
+    requests without stop strings (their hold-back keeps posted text back by design)."""
     received = [0]
     with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
         chunks = []
