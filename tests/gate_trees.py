@@ -1,6 +1,8 @@
-"""Builders for temporary phase trees that the runner's tests point ``--root`` at."""
+"""Builders for temporary phase trees that the runner's tests point ``--root`` at, and what is
+left running in one."""
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -38,3 +40,26 @@ def write_phase(root: Path, pid: str, gate_data: dict | None, files: dict[str, s
         (d / name).write_text(textwrap.dedent(body))
     (root / "pytest.ini").write_text(PYTEST_INI)
     return d
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that does not reap (PID 1 in some containers)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def running_in(root: Path) -> list[int]:
+    """Live processes (Linux /proc) whose working directory is ``root`` or below it: what a gate
+    run there (its pytest, torchrun and ranks, started with ``cwd=root``) left behind."""
+    root, found = root.resolve(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:
+            continue
+        if (cwd == root or root in cwd.parents) and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gate_trees import gate, write_phase
+from gate_trees import alive, gate, running_in, write_phase
 from gates.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,17 +153,15 @@ def test_later_collective():
 
 
 def test_a_failing_rank_aborts_the_group_instead_of_hanging(tmp_path):
-    """Without the abort, rank 0 would wait in all_reduce for gloo's 30-minute default; the
-    run's own timeout here is 240 s, and the fault must be reported well before it."""
+    """Without the abort, rank 0 would wait in all_reduce for gloo's 30-minute default, and the
+    run would end by its own timeout (240 s here): it must end on the fault instead."""
     write_phase(tmp_path, "01", gate("01", runs=[{"mode": "torchrun", "nproc": [2], "timeout_s": 240,
                                                  "tests": ["phases/01_p"]}]),
                 {"test_tp.py": RANK1_FAILS_BEFORE_A_COLLECTIVE})
     report = tmp_path / "r.json"
-    start = time.monotonic()
     assert main(["--root", str(tmp_path), "run", "--report", str(report)]) == 1
-    assert time.monotonic() - start < 90
     run = json.loads(report.read_text())["phases"][0]["runs"][0]
-    assert "timeout" not in run["reason"]
+    assert "timeout" not in run["reason"], run["reason"]
     failing = {t["nodeid"]: t for t in run["failing"]}
     first = failing["phases/01_p/test_tp.py::test_rank1_fails_while_rank0_waits"]
     # rank 0 may also record a failure (its all_reduce sees the peer go); the cause is reported
@@ -195,7 +193,11 @@ def test_rank1_never_joins():
 
 def test_a_torchrun_timeout_kills_every_rank(tmp_path, monkeypatch):
     """torchrun starts each rank in a session of its own: the timeout must still kill them
-    all (and the run must end), not only torchrun's process group."""
+    all (and the run must end), not only torchrun's process group. Ranks the kill missed would
+    keep the output pipe open until gloo's 30-minute default ends them, so a run still going
+    600 s in is one that waited for them (a bound far from both, not a speed limit); the ranks
+    write their pids once they have joined, which on a loaded machine may come after the 25 s,
+    so those are checked when written and the tree's processes are scanned in every case."""
     monkeypatch.setenv("GATES_ABORT_ON_FAILURE", "0")
     write_phase(tmp_path, "01", gate("01", runs=[{"mode": "torchrun", "nproc": [2], "timeout_s": 25,
                                                  "tests": ["phases/01_p"]}]),
@@ -203,17 +205,11 @@ def test_a_torchrun_timeout_kills_every_rank(tmp_path, monkeypatch):
     report = tmp_path / "r.json"
     start = time.monotonic()
     assert main(["--root", str(tmp_path), "run", "--report", str(report)]) == 1
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 600, "the run waited for ranks the timeout should have killed"
     assert "timeout after 25 s" in json.loads(report.read_text())["phases"][0]["reason"]
+    assert running_in(tmp_path) == []
     for rank in (0, 1):
-        pid = int((tmp_path / "phases/01_p" / f"pid{rank}").read_text())
-        assert not _alive(pid), f"rank {rank} (pid {pid}) outlived the timeout"
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a parent that does not reap (PID 1 in some containers)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
+        pid_file = tmp_path / "phases/01_p" / f"pid{rank}"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            assert not alive(pid), f"rank {rank} (pid {pid}) outlived the timeout"

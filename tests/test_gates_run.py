@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 
 import pytest
 import torch
 
-from gate_trees import gate, write_phase
+from gate_trees import alive, gate, running_in, write_phase
 from gates.cli import main
 from gates.execute import merge_ranks
 
@@ -198,11 +197,15 @@ def test_merged_message_is_the_first_failing_ranks():
 
 
 def test_timeout_kills_the_run_and_fails_the_phase(full, tree):
+    """The run past its timeout is killed: nothing it started is left running. (The sleeping test
+    writes its pid when it starts, which on a loaded machine may come after the 6 s, so that pid
+    is checked only when written; the scan of the tree's processes covers both cases.)"""
     phase = by_id(full[2])["08"]
     assert phase["status"] == "FAIL" and "timeout after 6 s" in phase["reason"]
-    pid = int((tree / "phases/08_p/pid").read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert running_in(tree) == []
+    pid_file = tree / "phases/08_p/pid"
+    if pid_file.exists():
+        assert not alive(int(pid_file.read_text()))
 
 
 def test_failing_tests_and_matching_failure_modes_are_printed(full):

@@ -190,16 +190,17 @@ def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int],
     """Submit every request at once and step until all finish (prefills and decodes timed);
     ``host_ms_per_step``: the engine's host time per step, waits for the device excluded;
     ``monotonic_window``: the timed part's start and end in ``time.monotonic()`` seconds (the
-    window ``GpuMonitor.report`` takes)."""
+    window ``GpuMonitor.report`` takes), ``seconds`` apart."""
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
               for i, n in enumerate(output_lens)]
     steps_before, host_before = engine.num_steps, engine.host_seconds
-    start, window_start = time.perf_counter(), time.monotonic()
+    start = time.monotonic()
     ids = [engine.add_request(p, sp, detokenize=False) for p, sp in zip(prompts, params)]
     with tqdm(total=len(ids), desc=desc, unit="req") as bar:
         while engine.has_unfinished_requests():
             bar.update(len(engine.step()))
-    seconds, window = time.perf_counter() - start, (window_start, time.monotonic())
+    end = time.monotonic()
+    seconds, window = end - start, (start, end)
     outputs = [engine.pop_request(rid) for rid in ids]
     rejected = [o.reject_reason for o in outputs if o.finish_reason == "rejected"]
     if rejected:

@@ -1,5 +1,6 @@
 """Shared by the phase-10 server tests: a tiny checkpoint whose every token is a word, a chat
-template, the server run in a background thread, and checks on the engine once it is idle."""
+template, the server run in a background thread, checks on the engine once it is idle, and ways
+to make the engine wait for a client (so no assertion depends on how the threads are scheduled)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from engine.server.app import OpenAIServer
 from engine.server.engine_loop import EngineLoop
@@ -24,6 +26,10 @@ from engine.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 
 engine_cases = importlib.import_module("phases.09_engine_integration.engine_cases")
+
+# How long a test waits for a condition before it fails on it: a guard against a hang, never
+# what a test asserts (every wait polls its condition and ends as soon as it holds).
+HANG_GUARD_S = 60.0
 
 # Every id of this vocabulary is a word or a special token, so generated text is never empty by accident.
 VOCAB = 2 + len(WORDS)
@@ -79,9 +85,12 @@ def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | No
         event_loop.close()
 
 
-def wait_idle(engine_loop: EngineLoop, timeout: float = 30.0) -> None:
+def wait_idle(engine_loop: EngineLoop, timeout: float = HANG_GUARD_S) -> None:
     """Wait until the engine has no unfinished request, then check that every KV block is free
-    and every request was forgotten (popped)."""
+    and every request was forgotten (popped). Requests submitted before the call count: a call
+    runs while the engine thread takes its commands, before it adds the requests taken with it,
+    so a first call only lets them reach the engine."""
+    engine_loop.call(lambda e: None)
     deadline = time.monotonic() + timeout
     while engine_loop.call(lambda e: e.has_unfinished_requests()):
         assert time.monotonic() < deadline, "the engine never became idle"
@@ -89,6 +98,66 @@ def wait_idle(engine_loop: EngineLoop, timeout: float = 30.0) -> None:
     engine_loop.call(engine_cases.assert_no_block_leaks)
     held = engine_loop.call(lambda e: sorted(e._requests))
     assert not held, f"the server left requests {held} in the engine"
+
+
+@contextlib.contextmanager
+def held_steps(engine_loop: EngineLoop, hold: Callable[[], bool], timeout: float = HANG_GUARD_S):
+    """Inside, the engine takes no step while ``hold()`` is true: it is polled on the engine
+    thread before each step, and a held step does nothing (adds, aborts and calls still run
+    between them; a step with no unfinished request, which only reads back the step in flight
+    of what was aborted, is never held). A test thereby makes the engine wait for its client,
+    however the threads are scheduled. Yields a list that gets a message when one hold outlasts
+    ``timeout`` seconds (a hang guard: the engine then steps freely); a test asserts it empty."""
+    engine = engine_loop.engine
+    real_step, gave_up, since = engine.step, [], [None]
+
+    def step():
+        if not gave_up and engine.has_unfinished_requests() and hold():
+            since[0] = since[0] or time.monotonic()
+            if time.monotonic() - since[0] < timeout:
+                time.sleep(0.001)
+                return []
+            gave_up.append(f"the engine waited {timeout:g} s for its client and went on without it")
+        since[0] = None
+        return real_step()
+
+    engine.step = step
+    try:
+        yield gave_up
+    finally:
+        del engine.step
+
+
+def posted_text(engine_loop: EngineLoop) -> int:
+    """(Engine thread.) Characters of text the engine has posted to the streams still running."""
+    return sum(stream.text_length for stream in engine_loop._streams.values())
+
+
+@contextlib.contextmanager
+def paused_until(engine_loop: EngineLoop, condition: Callable[[], bool], timeout: float = HANG_GUARD_S):
+    """Inside, the engine thread stops before it takes its next commands until ``condition()``
+    holds (polled): requests submitted meanwhile queue, and start together once it does, however
+    the HTTP thread is scheduled. Yields a list that gets a message if ``timeout`` seconds pass
+    first (a hang guard: the engine then goes on); a test asserts it empty. Under TP the other
+    ranks wait in their broadcast meanwhile, so ``timeout`` must stay below the collective timeout."""
+    paused, gave_up = threading.Event(), []
+
+    def pause(engine):
+        paused.set()
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                gave_up.append(f"the engine waited {timeout:g} s for its clients and went on without them")
+                return
+            time.sleep(0.005)
+
+    waiter = threading.Thread(target=engine_loop.call, args=(pause, 2 * timeout), daemon=True)
+    waiter.start()
+    assert paused.wait(timeout), "the engine loop never ran the pause"
+    try:
+        yield gave_up
+    finally:
+        waiter.join(2 * timeout)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -136,11 +205,19 @@ class ServerProcess:
     stderr: list[str]  # every line so far
 
 
+def server_env() -> dict[str, str]:
+    """The environment of a server subprocess: this tree first on its path (a script run by path,
+    such as ``faulty_serve.py`` under torchrun, would otherwise import whatever ``engine`` the
+    virtual environment's editable install points at), one OpenMP thread per process."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
 def start_server_process(command: list[str], timeout: float = 120.0) -> ServerProcess:
     """Run ``command`` (a ``... -m engine serve --port 0 ...``) from the repository root and wait
     for its "serving ... on http://HOST:PORT (pid N)" line on stderr."""
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                               env=server_env(), start_new_session=True)
     lines: list[str] = []
     banner: queue.Queue = queue.Queue()
 

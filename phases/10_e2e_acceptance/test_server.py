@@ -12,10 +12,14 @@ import pytest
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from server_cases import (
+    HANG_GUARD_S,
     PROMPTS,
     assert_error_object,
+    held_steps,
     http,
     make_word_checkpoint,
+    paused_until,
+    posted_text,
     running_server,
     wait_idle,
 )
@@ -55,7 +59,8 @@ def served(model_dir):
 
 @pytest.fixture
 def client(served):
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+    # reads outlast the engine's hang guard, so a held-back stream fails on what the engine saw
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=2 * HANG_GUARD_S) as c:
         yield c
     wait_idle(served.engine_loop)
 
@@ -98,29 +103,53 @@ def test_completions_json_and_health(served, client, oracle):
     assert client.completions.create(model="tiny", prompt=prompt, **GREEDY).usage.completion_tokens == 16
 
 
+def _choice_text(choice) -> str:
+    return choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+
+
 def _stream_text(chunks) -> tuple[str, list[str], list, object]:
+    """(joined text, the non-empty text pieces, each choice chunk's finish_reason, the usage)."""
     texts, finishes, usage = [], [], None
     for chunk in chunks:
         if chunk.usage is not None:
             assert chunk.choices == []
             usage = chunk.usage
         for choice in chunk.choices:
-            texts.append(choice.text if hasattr(choice, "text") else (choice.delta.content or ""))
+            texts.append(_choice_text(choice))
             finishes.append(choice.finish_reason)
     return "".join(texts), [t for t in texts if t], finishes, usage
 
 
+def _in_step_with_the_engine(served, create) -> list:
+    """The chunks of the streaming request ``create()`` makes, read while the engine is held before
+    each step until every character it has posted has reached this client. Each step's text must
+    then leave in an event of its own before the next step runs, whatever the machine's load: a
+    server that holds text back leaves the engine waiting (the hang guard fails the test). For
+    requests without stop strings (their hold-back keeps posted text back by design)."""
+    received = [0]
+    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+        chunks = []
+        for chunk in create():
+            chunks.append(chunk)
+            received[0] += sum(len(_choice_text(choice)) for choice in chunk.choices)
+    assert not gave_up, f"{gave_up[0]}: text it had posted did not reach the client before the next step"
+    return chunks
+
+
 def test_streaming_matches_non_streaming(served, client, oracle):
-    """SSE chunks arrive step by step (text before the end), join to the non-streaming text
-    (stop strings included: nothing that turns into a stop string is ever sent), end with a
-    finish_reason, a usage chunk when asked, and data: [DONE]."""
+    """SSE chunks arrive step by step (each step's text in its own event, the first before the
+    end), join to the non-streaming text (stop strings included: nothing that turns into a stop
+    string is ever sent), end with a finish_reason, a usage chunk when asked, and data: [DONE]."""
     for prompt, max_tokens in [(PROMPTS[1], 10), (PROMPTS[2], 7)]:
         text, _ = oracle(prompt, max_tokens)
-        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY)
+        chunks = _in_step_with_the_engine(served, lambda: client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            **GREEDY))
         joined, pieces, finishes, usage = _stream_text(chunks)
         assert joined == text
         assert len(pieces) >= max_tokens - 1, f"text came in {len(pieces)} pieces, not one per step"
+        first_text = next(i for i, c in enumerate(chunks) if any(_choice_text(choice) for choice in c.choices))
+        assert chunks[first_text].choices[0].finish_reason is None, "no text left before the request finished"
         assert finishes[-1] == "length" and not any(finishes[:-1])
         assert usage.completion_tokens == max_tokens and usage.total_tokens == usage.prompt_tokens + max_tokens
 
@@ -140,6 +169,39 @@ def test_streaming_matches_non_streaming(served, client, oracle):
     assert json.loads(events[0][6:])["object"] == "text_completion"
 
 
+def test_streamed_text_leaves_before_the_request_finishes(served, client, oracle):
+    """Streamed text leaves before the request finishes and joins to exactly the non-streamed
+    text, however the client's reads interleave with the engine's steps: held after each step
+    until this client has what it posted, the engine still has the request unfinished when the
+    first text arrives (deterministic: it cannot step on before the client says so); read only
+    once the engine has finished the request, the same text arrives, ending in the finish."""
+    prompt, max_tokens = PROMPTS[5], 12
+    text, _ = oracle(prompt, max_tokens)
+    received, unfinished_at_first_text = [0], []
+
+    def read(stream) -> list[str]:
+        pieces = []
+        for chunk in stream:
+            piece = "".join(_choice_text(choice) for choice in chunk.choices)
+            if piece and not pieces:  # asked before the engine may take another step
+                unfinished_at_first_text.append(served.engine_loop.call(lambda e: e.has_unfinished_requests()))
+            pieces.append(piece)
+            received[0] += len(piece)
+        return pieces
+
+    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+        pieces = read(client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                **GREEDY))
+    assert unfinished_at_first_text == [True], "the first text left with the finish, not before it"
+    assert not gave_up, gave_up[0]
+    assert "".join(pieces) == text
+
+    late = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
+    wait_idle(served.engine_loop)  # the engine finished (and forgot) the request before any read
+    joined, _, finishes, _ = _stream_text(late)
+    assert joined == text and finishes[-1] == "length" and not any(finishes[:-1])
+
+
 def test_chat_completions(served, client, oracle):
     """Chat messages go through the tokenizer's chat template (generation prompt added); JSON and
     streaming answers equal the engine's greedy text of the rendered prompt."""
@@ -154,8 +216,9 @@ def test_chat_completions(served, client, oracle):
     n_prompt = len(served.server.tokenizer.encode(rendered, add_special_tokens=False))
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 8)
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8,
-                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    chunks = _in_step_with_the_engine(served, lambda: client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=8, stream=True, stream_options={"include_usage": True},
+        **GREEDY))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     joined, pieces, finishes, usage = _stream_text(chunks)
@@ -182,7 +245,8 @@ def test_chat_without_template_is_a_400(tmp_path):
 
 def test_concurrent_requests_match_sequential(served, client, oracle):
     """32 concurrent streaming clients each get the greedy text its prompt gets alone, and the
-    engine batched them: far fewer steps than tokens generated."""
+    engine batched them: far fewer steps than tokens generated. The engine waits until all 32 are
+    submitted (however slowly the HTTP thread takes them in), so they start together."""
     prompts = [" ".join(PROMPTS[i % len(PROMPTS)].split()[:1 + i % 5] + PROMPTS[(i + 3) % len(PROMPTS)].split())
                for i in range(32)]
     max_tokens = [4 + i % 7 for i in range(32)]
@@ -197,7 +261,9 @@ def test_concurrent_requests_match_sequential(served, client, oracle):
             return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, max_tokens)))
 
     steps_before = served.engine_loop.call(lambda e: e.num_steps)
-    assert asyncio.run(all_at_once()) == expected
+    with paused_until(served.engine_loop, lambda: served.engine_loop.num_streams >= len(prompts)) as gave_up:
+        assert asyncio.run(all_at_once()) == expected
+    assert not gave_up, gave_up[0]
     steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
     assert steps < sum(max_tokens) // 3, f"{steps} engine steps for {sum(max_tokens)} tokens: not batched"
 
@@ -265,17 +331,23 @@ def test_bad_requests_get_error_objects(served, client):
 
 def test_client_disconnect_aborts_its_request(served, client, monkeypatch):
     """A client that leaves mid-stream has its request aborted (not run to max_tokens); its KV
-    blocks are free once the engine is idle; other requests go on."""
+    blocks are free once the engine is idle; other requests go on. The engine steps only once
+    the client has the text posted so far, so it cannot run ahead of the client (however the
+    threads are scheduled): after the client leaves, only the abort lets it go on."""
     engine = served.engine_loop.engine
     aborted = []
     real_abort = engine.abort_request
     monkeypatch.setattr(engine, "abort_request", lambda rid: aborted.append(real_abort(rid)) or aborted[-1])
     steps_before = served.engine_loop.call(lambda e: e.num_steps)
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=100, stream=True, **GREEDY)
-    for _, chunk in zip(range(3), stream):
-        assert chunk.choices
-    stream.close()
-    wait_idle(served.engine_loop)
+    received = [0]
+    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=100, stream=True, **GREEDY)
+        for _, chunk in zip(range(3), stream):
+            assert chunk.choices
+            received[0] += len(chunk.choices[0].text)
+        stream.close()
+        wait_idle(served.engine_loop)
+    assert not gave_up, gave_up[0]
     assert aborted == [True]
     steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
     assert steps < 50, f"the request ran {steps} steps after its client left"

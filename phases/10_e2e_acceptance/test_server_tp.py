@@ -15,13 +15,22 @@ import torch.distributed as dist
 from engine.llm_engine import LLMEngine
 from engine.server.app import add_serve_command, serve
 from engine.server.engine_loop import mirror_rank0
-from server_cases import PROMPTS, engine_cases, make_word_checkpoint, running_server, wait_idle
+from server_cases import (
+    HANG_GUARD_S,
+    PROMPTS,
+    engine_cases,
+    make_word_checkpoint,
+    paused_until,
+    running_server,
+    wait_idle,
+)
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU image
 
 pytestmark = pytest.mark.torchrun
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 STOP_TIMEOUT_S = 120  # on a fresh GPU host the first requests also compile float32 kernels (44 s seen)
+PAUSE_S = 30  # rank 0 waiting for its clients: the other ranks wait in a broadcast, whose timeout is 60 s
 
 
 @pytest.fixture
@@ -52,7 +61,8 @@ def mirror_until_stopped(engine) -> None:
 def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatch):
     """Concurrent requests (streaming, JSON, one client leaving mid-stream) through a TP server
     get the greedy text each gets alone; every rank ran the same batches and tokens; every
-    rank's KV blocks are free at the end."""
+    rank's KV blocks are free at the end. Rank 0's engine waits until every client has
+    submitted, so the requests start together however the HTTP thread is scheduled."""
     assert tp_group.size > 1
     engine = LLMEngine(model_dir, block_size=4, max_num_seqs=8, max_model_len=96, device=tp_device, dtype="float32")
     lengths = [3, 9, 5, 12, 7, 4]
@@ -69,8 +79,13 @@ def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatc
     monkeypatch.setattr(engine.runner, "launch", launch)
     if tp_group.rank == 0:
         with running_server(engine) as running:
-            got = asyncio.run(_clients(running.url, lengths))
+            def all_submitted():  # every client's request, the leaver's too
+                return running.engine_loop.num_streams >= len(lengths) + 1
+
+            with paused_until(running.engine_loop, all_submitted, PAUSE_S) as gave_up:
+                got = asyncio.run(_clients(running.url, lengths))
             wait_idle(running.engine_loop)
+        assert not gave_up, gave_up[0]
         assert got == expected
     else:
         mirror_until_stopped(engine)
@@ -124,7 +139,7 @@ def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
             assert isinstance(running.engine_loop.failure, RuntimeError)
             running.engine_loop._thread.join(STOP_TIMEOUT_S)
             assert not running.engine_loop.alive
-            deadline = time.monotonic() + 10  # on_exit only queues done.set on the HTTP loop
+            deadline = time.monotonic() + HANG_GUARD_S  # on_exit only queues done.set on the HTTP loop
             while not running.server.done.is_set() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert running.server.done.is_set(), "the server did not stop after its engine failed"
