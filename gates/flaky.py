@@ -4,7 +4,7 @@ The selected phases run N times, each time the same way (optionally beside a CPU
 runner's own: one busy process per core, each ending by itself when the gate run ends or after
 ``LOAD_LIMIT_S``); a test whose outcome (passed, failed, skipped, error) differs between the
 runs, in the same run of the same phase, is flaky: it asserts on timing, load or order rather
-than behaviour (the timing-dependent assertion of blueprint/failure_modes.yaml).
+than behaviour (FM-069, the timing-dependent assertion, in blueprint/failure_modes.yaml).
 """
 from __future__ import annotations
 
