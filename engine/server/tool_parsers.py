@@ -67,7 +67,9 @@ def _skip_ws(text: str, pos: int) -> int:
 
 class _Stream:
     """What the format streams share: the characters still to read (text pushed back to be read
-    again goes first), the deltas, and the call being read, announced once committed."""
+    again goes first), the deltas, and the call being read, announced once committed. A format
+    defines ``_step(ch)`` (read one character) and ``finish()`` (the deltas for what it held back
+    at the end of the output)."""
 
     def __init__(self, new_id: Callable[[], str]):
         self._new_id = new_id
@@ -82,16 +84,9 @@ class _Stream:
         self._run()
         return self._deltas.take()
 
-    def finish(self) -> list[dict]:
-        """The deltas for what was held back, at the end of the output."""
-        raise NotImplementedError
-
     def _run(self) -> None:
         while self._pending:
             self._step(self._pending.popleft())
-
-    def _step(self, ch: str) -> None:
-        raise NotImplementedError
 
     def _read_again(self, text: str) -> None:
         self._pending.extendleft(reversed(text))
