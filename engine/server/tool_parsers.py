@@ -166,7 +166,7 @@ class HermesStream(_Stream):
             if not self._call.committed:
                 self._raw += ch
             if not self._push_call(ch):
-                self._break()
+                self._break(ch)
             elif self._call.done:
                 self._mode, self._watch = "end", TagWatch(HermesToolParser.CLOSE)
         else:

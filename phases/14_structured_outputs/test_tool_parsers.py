@@ -206,7 +206,10 @@ def test_a_call_broken_after_it_was_announced_ends_there():
     text = '<tool_call>\n{"name": "search", "arguments": {"query": "agent'
     assert whole("hermes", text) == (text, [])
     assert streamed("hermes", [text]) == (None, [("call_0", "search", '{"query":"agent')])
-    broken = '{"name": "f", "parameters": {"a": 1]} trailing'  # invalid JSON after the announcement
+    broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1]}}\n</tool_call> after'  # invalid JSON
+    assert whole("hermes", broken) == (broken, [])
+    assert streamed("hermes", [broken]) == ("]}}\n</tool_call> after", [("call_0", "f", '{"a":1')])
+    broken = '{"name": "f", "parameters": {"a": 1]} trailing'
     assert whole("llama3_json", broken) == (broken, [])
     assert streamed("llama3_json", [broken]) == ("]} trailing", [("call_0", "f", '{"a":1')])
 
