@@ -40,11 +40,11 @@ def parse_call(text: str, pos: int) -> tuple[str, str, int] | None:
     """The call object at ``text[pos:]`` (after optional whitespace) as ``(name, arguments, end)``,
     ``end`` just past its closing brace; ``None`` when there is none there."""
     head = _HEAD.match(text, pos)
-    if head is None:
+    if head is None or not text.startswith('"', head.end()):  # the name is a string (numbers decode to str here)
         return None
     try:
         name, end = _DECODER.raw_decode(text, head.end())
-        if not isinstance(name, str) or (sep := _ARGUMENTS.match(text, end)) is None:
+        if (sep := _ARGUMENTS.match(text, end)) is None:
             return None
         if sep.group(1):
             return name, "{}", sep.end()

@@ -145,6 +145,60 @@ def test_any_split_streams_the_whole_parse(data, case):
     assert streamed(parser, pieces(text, cuts)) == whole(parser, text)
 
 
+def hermes_outputs():
+    """Text (with tag-like pieces), well-formed blocks and blocks that are no call, in any order."""
+    args = st.dictionaries(st.text(max_size=5), st.none() | st.integers() | st.text(max_size=5), max_size=3)
+    good = st.builds(lambda name, a, indent, close: "<tool_call>" + json.dumps({"name": name, "arguments": a},
+                                                                              indent=indent) + close,
+                     st.text(max_size=6), args, st.none() | st.integers(0, 2),
+                     st.sampled_from(["</tool_call>", "\n</tool_call>"]))
+    no_call = st.sampled_from(['<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', "<tool_call>\n{'name': 'f'}",
+                               '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', "<tool_call></tool_call>",
+                               '<tool_call>{"name": 1}</tool_call>', "<tool_call>"])
+    text = st.text(alphabet="ab <>/_toolcal\n", max_size=12)
+    return st.lists(good | no_call | text, max_size=5).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=hermes_outputs(), data=st.data())
+def test_generated_hermes_outputs_stream_as_they_parse(text, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    assert streamed("hermes", pieces(text, cuts)) == whole("hermes", text)
+
+
+def llama3_outputs():
+    """Optional python tag, calls separated by ';', then nothing, text, or an object that is no call."""
+    values = st.none() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5)
+    args = st.dictionaries(st.text(max_size=5), values, max_size=3)
+    call = st.builds(lambda name, key, a, indent: json.dumps({"name": name, key: a}, indent=indent),
+                     st.text(max_size=6), st.sampled_from(["parameters", "arguments"]), args,
+                     st.none() | st.integers(0, 2))
+    calls = st.lists(call, max_size=3).flatmap(lambda cs: st.sampled_from(["; ", ";", " ;\n"]).map(
+        lambda sep: sep.join(cs)))
+    start = st.sampled_from(["", " ", "<|python_tag|>", "\n<|python_tag|> "])
+    end = st.sampled_from(["", " ", "; ", " Done.", '; {"name": 3}', ";{'name': 'f'}", "<|eom_id|>"])
+    return st.tuples(start, calls, end).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=llama3_outputs(), data=st.data())
+def test_generated_llama3_outputs_stream_as_they_parse(text, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    assert streamed("llama3_json", pieces(text, cuts)) == whole("llama3_json", text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parser=st.sampled_from(["hermes", "llama3_json"]), data=st.data(),
+       parts=st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_c", '{"name": "f"', ', "arguments": {',
+                                       '"a": [1, "x"', "]", "}", ";", " ", "\n", "<|python_tag|>", "z"]), max_size=14))
+def test_any_text_streams_the_same_whatever_its_split(parser, data, parts):
+    """Also where stream and whole parse may differ (calls broken after their announcement), the
+    stream does not depend on how the text is split."""
+    text = "".join(parts)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    assert streamed(parser, pieces(text, cuts)) == streamed(parser, [text])
+
+
 def test_stream_deltas_have_the_openai_shape():
     """Per call: one delta with index, id, type and name (arguments ""), then argument fragments
     that carry only index and arguments; indexes count from 0 in order."""
