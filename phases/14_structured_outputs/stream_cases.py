@@ -1,0 +1,38 @@
+"""Helpers of the phase-14 parser tests: deterministic id sources, splitting an output into
+deltas, and the OpenAI SDK's own assembly of a chat stream (``ChatCompletionStreamState``, what
+``client.chat.completions.stream`` uses) as the truth for what a client sees."""
+from __future__ import annotations
+
+import itertools
+
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
+
+def counting_ids(prefix: str = "call_"):
+    """An id source giving call_0, call_1, ...: two sources from here give the same ids."""
+    counter = itertools.count()
+    return lambda: f"{prefix}{next(counter)}"
+
+
+def pieces(text: str, cuts) -> list[str]:
+    """``text`` cut at the (sorted, deduplicated) positions ``cuts``."""
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def run_stream(stream, deltas: list[str]) -> list[dict]:
+    """Every delta object the stream gives for these text deltas, then its finish."""
+    return [d for piece in deltas for d in stream.feed(piece)] + stream.finish()
+
+
+def sdk_message(deltas: list[dict], finish_reason: str = "stop"):
+    """The message the OpenAI SDK assembles from chunks carrying these deltas (one chunk each,
+    after a role chunk, before a finish chunk)."""
+    state = ChatCompletionStreamState()
+    for delta, reason in [({"role": "assistant"}, None), *((d, None) for d in deltas), ({}, finish_reason)]:
+        chunk = ChatCompletionChunk.model_validate({
+            "id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
+        list(state.handle_chunk(chunk))
+    return state.get_final_completion().choices[0].message
