@@ -16,13 +16,17 @@ import re
 import threading
 import time
 
+import jsonschema
 import pytest
+import torch
 
 from engine.llm_engine import DEFAULT_MODEL_DIR, _load_tokenizer
 from engine.structured.compiler import GrammarCompiler
+from engine.structured.matchers import GrammarMatchers, apply_bitmask
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
 
 VOCAB = 8192  # the demo model's
+SEEDS = range(20)
 
 SCHEMAS = {
     "nested objects": {"type": "object", "properties": {
@@ -53,6 +57,14 @@ SCHEMAS = {
             "n": {"type": "integer", "exclusiveMinimum": 0, "maximum": 50},
             "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}},
 }
+REGEXES = [r"[a-z]{2,5}-\d{3}", r"(foo|bar)+baz", r"[A-Za-z0-9._]{1,10}@[a-z]{2,8}\.(com|org)", r"(αβ|γ)x?[0-9]{2}"]
+CHOICES = ["", 'say "hi"', "back\\slash", ".*+?[](){}|^$", "line\nbreak\ttab", "é€😀 ünïcödé", "\x01",
+           "  spaced  ", "plain"]
+ARITHMETIC = """root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= num | "(" expr ")"
+num ::= [0-9] | [1-9] [0-9] | [1-9] [0-9] [0-9]
+"""
 PATHOLOGICAL_DEPTH = 6  # nested anyOf of arrays / objects: 52 KB of schema, ~0.6 s to compile on one core
 
 
@@ -110,6 +122,41 @@ def pathological_schema(depth: int = PATHOLOGICAL_DEPTH) -> dict:
         schema = {"anyOf": [{"type": "array", "items": schema, "maxItems": 3},
                             {"type": "object", "properties": {"a": schema, "b": schema}}]}
     return schema
+
+
+def allowed(bitmask: torch.Tensor, row: int, vocab: int = VOCAB) -> set[int]:
+    """The tokens whose bit is set in ``bitmask[row]``, read bit by bit."""
+    words = bitmask[row].tolist()
+    return {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
+
+
+def generate(compiled, seed: int, greedy: bool, eos: int, bias: torch.Tensor | None = None,
+             budget: int = 512) -> list[int]:
+    """Output tokens (EOS excluded) sampled from random logits under ``compiled``'s mask; fails if
+    the grammar refuses a sampled token, terminates on a token other than EOS, or runs past
+    ``budget`` tokens. ``bias`` is added to every step's logits."""
+    matchers = GrammarMatchers(VOCAB)
+    matchers.add("r", compiled)
+    bitmask = matchers.allocate(1)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(budget):
+        matchers.fill([(0, "r")], bitmask)
+        logits = torch.randn(1, VOCAB, generator=generator)
+        if bias is not None:
+            logits += bias
+        apply_bitmask(logits, bitmask, [0])
+        token = int(logits.argmax() if greedy else torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        assert matchers.accept("r", [token]), f"the grammar refused token {token}, which its mask allowed"
+        if matchers.is_terminated("r"):
+            assert token == eos
+            return out
+        out.append(token)
+    pytest.fail(f"no EOS within {budget} tokens")
+
+
+def outputs(compiled, tokenizer, eos, bias=None) -> list[str]:
+    return [tokenizer.decode(generate(compiled, seed, greedy, eos, bias)) for seed in SEEDS for greedy in (False, True)]
 
 
 # --- request specs ---------------------------------------------------------------------------
@@ -347,3 +394,256 @@ def test_an_unexpected_compile_failure_reaches_the_caller_and_is_not_cached(make
         compiler.compile(spec)
     compiler._compile_now = compile_now
     assert compiler.compile(spec) is not None
+
+
+def test_a_completed_grammar_allows_exactly_the_stop_tokens(tokenizer, eos):
+    """Two stop tokens and a model vocabulary 40 ids wider than the tokenizer's: the padding ids
+    are never allowed, and once the grammar is complete only the stop ids are."""
+    vocab = VOCAB + 40
+    compiler = GrammarCompiler(tokenizer, vocab, {eos, 7})
+    try:
+        matchers = GrammarMatchers(vocab)
+        matchers.add("r", compiler.compile(StructuredSpec("json_object", "")))
+        bitmask = matchers.allocate(1)
+        matchers.fill([(0, "r")], bitmask)
+        assert not allowed(bitmask, 0, vocab) & set(range(VOCAB, vocab))
+        assert matchers.accept("r", tokenizer.encode('{"a": [1, 2]}'))
+        matchers.fill([(0, "r")], bitmask)
+        assert allowed(bitmask, 0, vocab) == {eos, 7}
+        assert matchers.accept("r", [7]) and matchers.is_terminated("r")
+        with pytest.raises(ValueError, match="vocabulary of 8232"):
+            GrammarMatchers(VOCAB).add("r", compiler.compile(StructuredSpec("regex", "a")))
+    finally:
+        compiler.close()
+
+
+# --- generation under the mask ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_generated_json_validates_against_its_schema(compiler, tokenizer, eos, name):
+    schema = SCHEMAS[name]
+    texts = outputs(compiler.compile(schema_spec(schema)), tokenizer, eos)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    if name == "optional keys":  # the optional keys are really optional
+        assert {"a" in json.loads(t) for t in texts} == {True, False}
+
+
+def test_a_length_bounded_string_refuses_raw_control_characters(compiler, tokenizer):
+    """xgrammar 0.2.9 lets raw control characters into strings with minLength / maxLength
+    (mlc-ai/xgrammar#800); the compiler closes that hole. Unbounded strings never had it."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}, "t": {"type": "string"}},
+              "required": ["s", "t"]}
+    matchers = GrammarMatchers(VOCAB)
+    for i, text in enumerate(('{"s": "a\tb', '{"s": "a\x14', '{"s": "ab", "t": "\t')):
+        matchers.add(i, compiler.compile(schema_spec(schema)))
+        assert not matchers.accept(i, tokenizer.encode(text)), repr(text)
+    matchers.add("ok", compiler.compile(schema_spec(schema)))
+    assert matchers.accept("ok", tokenizer.encode('{"s": "é€😀 xyz~", "t": "a\\tb\\u0014"}'))
+
+
+def test_generated_keys_follow_the_schemas_order(compiler, tokenizer, eos):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"]}
+    for text in outputs(compiler.compile(schema_spec(schema)), tokenizer, eos):
+        assert list(json.loads(text)) == ["zeta", "alpha"]
+
+
+def test_json_object_generates_objects(compiler, tokenizer, eos):
+    """Strings close on a token containing a quote; those get a +4 bias so that random strings end."""
+    bias = torch.tensor([4.0 if '"' in tokenizer.decode([t]) else 0.0 for t in range(VOCAB)])
+    texts = outputs(compiler.compile(spec_from_request({"response_format": {"type": "json_object"}})),
+                    tokenizer, eos, bias)
+    assert all(isinstance(json.loads(t), dict) for t in texts)
+    assert any(json.loads(t) for t in texts)  # not only {}
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_generated_text_matches_its_regex(compiler, tokenizer, eos, pattern):
+    for text in outputs(compiler.compile(spec_from_request({"structured_outputs": {"regex": pattern}})),
+                        tokenizer, eos):
+        assert re.fullmatch(pattern, text), text
+
+
+def test_generated_text_is_one_of_the_choices(compiler, tokenizer, eos):
+    compiled = compiler.compile(spec_from_request({"structured_outputs": {"choice": CHOICES}}))
+    texts = outputs(compiled, tokenizer, eos)
+    assert set(texts) <= set(CHOICES) and len(set(texts)) > 1
+    matchers = GrammarMatchers(VOCAB)
+    for i, choice in enumerate(CHOICES):  # each choice, as the tokenizer encodes it, is accepted whole
+        matchers.add(i, compiled)
+        assert matchers.accept(i, tokenizer.encode(choice) + [eos]) and matchers.is_terminated(i), repr(choice)
+    matchers.add("prefix", compiled)
+    assert matchers.accept("prefix", tokenizer.encode("plai")) and not matchers.accept("prefix", [eos])
+
+
+def parse_arithmetic(text: str) -> bool:
+    """Whether ``text`` is in ARITHMETIC's language (recursive descent)."""
+    pos = 0
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        while pos < len(text) and text[pos] in "+-":
+            pos += 1
+            if not term():
+                return False
+        return True
+
+    def term() -> bool:
+        nonlocal pos
+        if pos < len(text) and text[pos] == "(":
+            pos += 1
+            if not expr() or pos >= len(text) or text[pos] != ")":
+                return False
+            pos += 1
+            return True
+        digits = re.match(r"0|[1-9][0-9]{0,2}", text[pos:])
+        pos += digits.end() if digits else 0
+        return digits is not None
+    return expr() and pos == len(text)
+
+
+def test_generated_text_parses_with_its_grammar(compiler, tokenizer, eos):
+    assert parse_arithmetic("1+(22-(333))") and not parse_arithmetic("1+") and not parse_arithmetic("01")
+    texts = outputs(compiler.compile(spec_from_request({"structured_outputs": {"grammar": ARITHMETIC}})),
+                    tokenizer, eos)
+    assert all(parse_arithmetic(t) for t in texts), texts
+    assert any("(" in t for t in texts)
+
+
+# --- matchers and masks ----------------------------------------------------------------------
+
+def test_a_refused_token_leaves_its_request_and_the_others_untouched(compiler, tokenizer):
+    compiled = compiler.compile(schema_spec(SCHEMAS["nested objects"]))
+    matchers = GrammarMatchers(VOCAB)
+    prefix = tokenizer.encode('{"user": {"id": 1')
+    for request_id in ("bad", "good"):
+        matchers.add(request_id, compiled)
+        assert matchers.accept(request_id, prefix)
+    assert not matchers.accept("bad", tokenizer.encode("x"))
+    # two acceptable tokens, then one refused: the call accepts none of them
+    assert not matchers.accept("bad", tokenizer.encode("2") + tokenizer.encode(', "name"') + tokenizer.encode("}"))
+    matchers.add("fresh", compiled)
+    assert matchers.accept("fresh", prefix)
+    bitmask = matchers.allocate(3)
+    matchers.fill([(0, "bad"), (1, "good"), (2, "fresh")], bitmask)
+    assert torch.equal(bitmask[0], bitmask[2]) and torch.equal(bitmask[1], bitmask[2])
+    assert matchers.accept("bad", tokenizer.encode('2, "name": "x"}, "active": true}') + [0])
+    assert matchers.is_terminated("bad") and not matchers.is_terminated("good")
+    matchers.remove("bad")
+    matchers.remove("bad")  # a no-op
+    with pytest.raises(KeyError):
+        matchers.accept("bad", [1])
+    with pytest.raises(ValueError, match="already has a grammar"):
+        matchers.add("good", compiled)
+
+
+def test_masks_of_requests_in_one_bitmask_never_mix(compiler, tokenizer):
+    """Rows filled together equal each request's mask filled alone; rows not named keep what
+    they held."""
+    grammars = [compiler.compile(spec) for spec in (
+        schema_spec(SCHEMAS["enums"]), StructuredSpec("regex", REGEXES[0]), StructuredSpec("choice", '["yes","no"]'))]
+    matchers = GrammarMatchers(VOCAB)
+    for i, grammar in enumerate(grammars):
+        matchers.add(i, grammar)
+    assert matchers.accept(0, tokenizer.encode('{"color": "'))
+    assert matchers.accept(1, tokenizer.encode("ab"))
+    together = matchers.allocate(5)
+    together[3] = 12345
+    rows = [(4, 0), (0, 2), (2, 1)]
+    matchers.fill(rows, together)
+    for row, request_id in rows:
+        alone = matchers.allocate(1)
+        matchers.fill([(0, request_id)], alone)
+        assert torch.equal(together[row], alone[0])
+    assert len({frozenset(allowed(together, row)) for row, _ in rows}) == 3
+    assert (together[1] == -1).all() and (together[3] == 12345).all()
+
+
+def mask_truth(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``apply_bitmask`` by a loop over the bits."""
+    expected = logits.clone()
+    for r in rows:
+        words = bitmask[r].tolist()
+        for t in range(logits.shape[1]):
+            if not (words[t // 32] >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_bitmask_equals_the_loop_over_bits(dtype):
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [3, 0, 5]  # 1000 is not a multiple of 32: the last word is partly used
+    base = torch.randn(6, vocab + 24, generator=generator).to(dtype)
+    logits = base[:, :vocab]  # a view with unit stride along V, row stride vocab + 24
+    bitmask = torch.randint(-2**31, 2**31, (8, (vocab + 31) // 32), generator=generator, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[5] = -1  # every token allowed
+    expected = mask_truth(logits, bitmask, rows)
+    untouched = base[:, vocab:].clone()
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    assert torch.equal(base[:, vocab:], untouched)
+    apply_bitmask(logits, bitmask, [])  # no rows: nothing happens
+    assert torch.equal(logits, expected)
+
+
+def test_apply_bitmask_refuses_a_mismatched_bitmask():
+    logits = torch.zeros(2, 100)
+    for bad in (torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int32),
+                torch.zeros(4, 2, dtype=torch.int32).t()):
+        with pytest.raises(ValueError, match="bitmask must be"):
+            apply_bitmask(logits, bad, [0])
+    with pytest.raises(ValueError, match="unit stride"):
+        apply_bitmask(torch.zeros(100, 2).t(), torch.zeros(2, 4, dtype=torch.int32), [0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_bitmask_on_cuda_equals_the_loop_over_bits(dtype):
+    """xgrammar's Triton kernel on the engine's logits dtypes, against the loop on the host."""
+    generator = torch.Generator().manual_seed(1)
+    vocab, rows = 151_936, [0, 2, 7]  # Qwen's padded vocabulary; rows not sorted, some left out
+    logits = torch.randn(8, vocab, generator=generator).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31, (8, (vocab + 31) // 32), generator=generator, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    keep = torch.zeros(8, vocab, dtype=torch.bool)
+    bits = (bitmask.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1  # [8, W, 32], bit t % 32 of word t // 32
+    keep[rows] = bits.reshape(8, -1)[rows, :vocab].bool()
+    expected = torch.where(keep | ~torch.isin(torch.arange(8), torch.tensor(rows))[:, None], logits,
+                           torch.tensor(float("-inf"), dtype=dtype))
+    assert torch.equal(mask_truth(logits[:, :300], bitmask, rows), expected[:, :300])  # the vector form is the loop
+    on_device = logits.cuda()
+    apply_bitmask(on_device, bitmask.cuda(), rows)
+    assert torch.equal(on_device.cpu(), expected)
+
+
+def compile_timings(tokenizer, eos) -> dict:
+    """Milliseconds to compile each kind of spec cold (a fresh compiler) and again (the cache)."""
+    specs = {"json_schema (nested objects)": schema_spec(SCHEMAS["nested objects"]),
+             "json_schema (array of objects)": schema_spec(SCHEMAS["array of objects"]),
+             "json_object": StructuredSpec("json_object", ""), "regex": StructuredSpec("regex", REGEXES[2]),
+             "choice": spec_from_request({"structured_outputs": {"choice": CHOICES}}),
+             "grammar": StructuredSpec("grammar", ARITHMETIC),
+             f"pathological (depth {PATHOLOGICAL_DEPTH})": schema_spec(pathological_schema())}
+    compiler = GrammarCompiler(tokenizer, VOCAB, [eos], timeout_s=60.0)
+    timings = {}
+    try:
+        for name, spec in specs.items():
+            cold = time.perf_counter()
+            compiler.compile(spec)
+            cached = time.perf_counter()
+            compiler.compile(spec)
+            timings[name] = {"cold_ms": round((cached - cold) * 1e3, 3),
+                             "cached_ms": round((time.perf_counter() - cached) * 1e3, 4)}
+    finally:
+        compiler.close()
+    return timings
+
+
+if __name__ == "__main__":
+    _tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
+    print(json.dumps({"vocab": VOCAB, "timings": compile_timings(_tokenizer, _tokenizer.eos_token_id)}, indent=1))
