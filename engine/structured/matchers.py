@@ -79,10 +79,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     ``t`` that ``bitmask[r]`` does not allow; other rows are untouched.
 
     logits: float32 / bfloat16 / float16 ``[R, V]`` with unit stride along V (a row slice of a
-    larger tensor is fine); bitmask: int32 ``[>= R, ceil(V / 32)]``, contiguous, on the logits'
-    device. On the CPU this is xgrammar's C++ loop; on CUDA its Triton kernel (one launch, the
-    row indices copied to the device first, the current CUDA device's SM count for the grid),
-    not capturable in a CUDA graph.
+    larger tensor is fine); bitmask: int32 ``[R', ceil(V / 32)]``, contiguous, on the logits'
+    device; every row in ``rows`` below both R and R'. On the CPU this is xgrammar's C++ loop, on
+    CUDA its Triton kernel (one launch on the current CUDA device, after the row indices are
+    copied there from the host): apply it to a graph's output logits, not inside a captured graph.
     """
     if not rows:
         return
@@ -93,4 +93,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != width or not bitmask.is_contiguous():
         raise ValueError(f"bitmask must be contiguous int32 [R, {width}], got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)}")
+    if min(rows) < 0 or max(rows) >= min(logits.shape[0], bitmask.shape[0]):
+        raise ValueError(f"rows must index both logits ({logits.shape[0]} rows) and bitmask "
+                         f"({bitmask.shape[0]} rows), got {min(rows)}..{max(rows)}")
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=list(rows))

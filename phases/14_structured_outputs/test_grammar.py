@@ -88,7 +88,8 @@ def compiler(tokenizer, eos):
 @pytest.fixture
 def make_compiler(tokenizer, eos):
     """Fresh compilers (own cache and workers) whose compiles are counted: ``compiler.calls``
-    lists the specs compiled, ``compiler.finished`` is set after each compile ends."""
+    lists the specs compiled; after each compile ends, ``compiler.ended`` holds its
+    ``time.perf_counter()`` and ``compiler.finished`` is set."""
     made = []
 
     def make(**kwargs):
@@ -101,6 +102,7 @@ def make_compiler(tokenizer, eos):
             try:
                 return compile_now(spec)
             finally:
+                compiler.ended = time.perf_counter()
                 compiler.finished.set()
         compiler._compile_now = counted
         made.append(compiler)
@@ -313,13 +315,12 @@ def test_a_pathological_schema_hits_the_time_limit_and_stays_refused(make_compil
     and compiled no more. The worker is then free for other specs."""
     compiler = make_compiler(workers=1, timeout_s=0.02)
     spec = schema_spec(pathological_schema())
-    start = time.perf_counter()
     with pytest.raises(StructuredOutputError, match="compiling the grammar took longer than 0.02 s") as caught:
         compiler.compile(spec)
-    waited = time.perf_counter() - start
+    answered = time.perf_counter()
     assert caught.value.param == "structured_outputs.json"
     assert compiler.finished.wait(120)
-    assert waited < time.perf_counter() - start  # the request did not wait for the compile to end
+    assert answered < compiler.ended  # the request did not wait for the compile to end
     for _ in range(3):
         with pytest.raises(StructuredOutputError, match="took longer than 0.02 s"):
             compiler.compile(spec)
@@ -381,7 +382,7 @@ def test_the_async_wait_leaves_the_event_loop_running(make_compiler):
             await compiler.compile_async(spec)
         ticker.cancel()
         return ticks
-    assert asyncio.run(main()) >= 10
+    assert asyncio.run(main()) >= 5  # ~40 expected; a loop blocked for the compile ticks once
     assert compiler.finished.wait(120)
 
 
@@ -599,6 +600,9 @@ def test_apply_bitmask_refuses_a_mismatched_bitmask():
             apply_bitmask(logits, bad, [0])
     with pytest.raises(ValueError, match="unit stride"):
         apply_bitmask(torch.zeros(100, 2).t(), torch.zeros(2, 4, dtype=torch.int32), [0])
+    for rows in ([2], [-1], [0, 3]):
+        with pytest.raises(ValueError, match="rows must index both"):
+            apply_bitmask(logits, torch.zeros(4 if rows == [2] else 2, 4, dtype=torch.int32), rows)
 
 
 @pytest.mark.cuda
