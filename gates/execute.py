@@ -73,13 +73,17 @@ def pytest_command(run: Run, nproc: int, root: Path, workers: int = 1) -> list[s
             "--nproc_per_node", str(nproc), *pytest_args, "-m", "torchrun", *run.tests]
 
 
-def missing_requirements(run: Run) -> list[str]:
-    """Requirements of ``run`` this machine lacks (only ``cuda`` is known)."""
+def missing_requirements(run: Run, nproc: int = 1) -> list[str]:
+    """Requirements of ``run`` at ``nproc`` ranks this machine lacks (only ``cuda`` is known: a
+    torchrun run needs a GPU per rank)."""
     if "cuda" in run.requires:
         import torch
 
         if not torch.cuda.is_available():
             return ["cuda (torch.cuda.is_available() is False)"]
+        gpus = torch.cuda.device_count()
+        if run.mode == "torchrun" and gpus < nproc:
+            return [f"cuda on {nproc} GPUs, one per rank ({gpus} here)"]
     return []
 
 

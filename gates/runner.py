@@ -95,7 +95,7 @@ def missing_rule_tests(root: Path, gate: Gate) -> list[str]:
 def _attempt(root: Path, run: Run, nproc: int, workers: int, threads: int | None) -> RunResult:
     """Execute ``run`` at ``nproc`` ranks (``workers`` pytest-xdist processes for a single run), or
     say why it cannot run here."""
-    missing = missing_requirements(run)
+    missing = missing_requirements(run, nproc)
     if missing:
         return RunResult(run.mode, nproc, run.tests, "skipped", f"requires {', '.join(missing)}")
     absent = [t for t in run.tests if not has_tests(root, t)]

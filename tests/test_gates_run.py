@@ -149,6 +149,20 @@ def test_missing_requirement_skips_with_the_reason(full):
         assert phase["runs"][0]["status"] == "skipped" and phase["runs"][0]["command"] == ""
 
 
+def test_a_cuda_torchrun_run_needs_a_gpu_per_rank(monkeypatch):
+    """On a one-GPU host a `requires: [cuda]` torchrun run at 2 ranks is skipped with the reason
+    (not run to a test-level skip, which would leave the phase with a run that ran no test)."""
+    from gates.execute import missing_requirements
+    from gates.schema import Run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = Run("torchrun", ("phases/11_p",), nproc=(2,), requires=("cuda",))
+    assert missing_requirements(run, 2) == ["cuda on 2 GPUs, one per rank (1 here)"]
+    assert missing_requirements(run, 1) == []
+    assert missing_requirements(Run("single", ("phases/11_p",), requires=("cuda",))) == []
+
+
 def test_torchrun_runs_a_gloo_all_reduce_in_every_rank(full):
     run = by_id(full[2])["07"]["runs"][0]
     assert run["mode"] == "torchrun" and run["nproc"] == 2 and run["status"] == "passed"
