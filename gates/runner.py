@@ -2,8 +2,8 @@
 
 A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
 and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
-run takes one per rank, a single run one, or one xdist worker per test file where slots are
-free that nothing else waiting could use. Console output stays in dependency order.
+run takes one per rank, a single run one, or an xdist worker per three test files where slots
+are free that nothing else waiting could use. Console output stays in dependency order.
 
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
@@ -188,14 +188,17 @@ class OrderedOutput:
                     print(line, flush=True)
 
 
+FILES_PER_WORKER = 3  # an xdist worker costs a process start (torch and the test modules imported again)
+
+
 def _slots(job: Job, root: Path, free: int, others_waiting: int, jobs: int) -> int:
     """CPU slots ``job`` takes: a torchrun run one per rank (at most every slot); a single run
-    one, or, when slots are free that no other waiting job can use, one xdist worker per test
-    file up to those slots."""
+    one, or, when slots are free that no other waiting job can use, one xdist worker per
+    ``FILES_PER_WORKER`` test files up to those slots."""
     if job.run.mode == "torchrun":
         return min(job.nproc, jobs)
     spare = free - others_waiting
-    return max(1, min(spare, count_test_files(root, job.run.tests)))
+    return max(1, min(spare, count_test_files(root, job.run.tests) // FILES_PER_WORKER))
 
 
 def run_gates(root: Path, options: Options) -> list[PhaseResult]:

@@ -79,17 +79,40 @@ def test_a_phase_blocked_by_a_failure_never_runs_beside_others(tmp_path):
     assert (tmp_path / "order.log").read_text().split() == ["03"]
 
 
+# Records the xdist worker it ran in (none: the run was not spread).
+WHERE = """
+import os
+from pathlib import Path
+
+
+def test_where():
+    (Path(__file__).parent / (Path(__file__).stem + ".worker")).write_text(os.environ.get("PYTEST_XDIST_WORKER", ""))
+"""
+
+
 def test_a_single_run_spreads_its_files_over_free_slots(tmp_path):
-    """One phase, two test files, two slots: two xdist workers, and the report still holds every
-    test (the xdist controller writes the results, the workers none)."""
-    files = {"test_meet_a.py": MEET.format(me="a", other="b"), "test_meet_b.py": MEET.format(me="b", other="a")}
-    write_phase(tmp_path, "01", gate("01"), files)
+    """One phase, six test files, two slots: two xdist workers (one per three files), every test
+    ran in a worker, and the report still holds every test (the xdist controller writes the
+    results, the workers none)."""
+    write_phase(tmp_path, "01", gate("01"), {f"test_where_{i}.py": WHERE for i in range(6)})
     code, out, report = run_cli(tmp_path, "--jobs", "2")
     (run,) = by_id(report)["01"]["runs"]
     assert code == 0, out
     assert run["workers"] == 2 and "-n 2 --dist loadfile" in run["command"]
     assert sorted(t["nodeid"] for t in run["test_results"]) == [
-        f"phases/01_p/test_meet_{x}.py::test_meets_the_other_phase" for x in "ab"]
+        f"phases/01_p/test_where_{i}.py::test_where" for i in range(6)]
+    workers = {(tmp_path / "phases/01_p" / f"test_where_{i}.worker").read_text() for i in range(6)}
+    assert workers <= {"gw0", "gw1"} and workers
+
+
+def test_a_run_of_few_files_is_not_spread(tmp_path):
+    """Two files are not worth a second worker's start: one process, no xdist."""
+    write_phase(tmp_path, "01", gate("01"), {f"test_where_{i}.py": WHERE for i in range(2)})
+    code, out, report = run_cli(tmp_path, "--jobs", "2")
+    (run,) = by_id(report)["01"]["runs"]
+    assert code == 0, out
+    assert run["workers"] == 1 and " -n " not in run["command"]
+    assert {(tmp_path / "phases/01_p" / f"test_where_{i}.worker").read_text() for i in range(2)} == {""}
 
 
 def test_one_job_runs_one_thing_at_a_time(tmp_path):

@@ -55,13 +55,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      softmax_scale: float, causal: bool = True) -> torch.Tensor:
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    masks: dict[tuple[int, int], torch.Tensor] = {}  # one per (q_len, k_len): sequences of a batch share them
     for q0, q1, k0, k1 in zip(starts_q, starts_q[1:], starts_k, starts_k[1:]):
         if q1 == q0:
             continue
         # Bottom-right causal: query i sees keys 0 .. (k_len - q_len) + i.
         mask = None
         if causal and q1 - q0 != k1 - k0:
-            mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(k1 - k0 - (q1 - q0))
+            mask = masks.get((q1 - q0, k1 - k0))
+            if mask is None:
+                mask = masks[q1 - q0, k1 - k0] = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool,
+                                                            device=q.device).tril(k1 - k0 - (q1 - q0))
         attended = F.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
             attn_mask=mask, is_causal=causal and mask is None, scale=softmax_scale, enable_gqa=True)
