@@ -3,9 +3,18 @@ objects (JSON, SSE chunks, logprobs, usage, errors).
 
 Every field is checked here, where the request enters, with vLLM's semantics where OpenAI is
 silent: a request the engine could not run is a 400 naming the field, never a failure inside a
-step. Fields this server does not know are ignored with a warning in the log (as vLLM does);
-fields that would change the answer if honoured (``echo``, a non-empty ``logit_bias``, ...) are
-refused.
+step. Every field is honoured or refused: OpenAI's fields that mean nothing to a server like
+this one (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored, as
+OpenAI-compatible servers do; a field this server knows but does not implement is refused when
+it asks for something (``REFUSED``); any other field is a 400 naming it.
+
+Chat requests may carry ``tools`` (rendered by the chat template, the output read by the
+server's tool-call parser; ``tool_choice`` ``"required"`` or a named function forces one call
+through the structured-output machinery, so its arguments always follow the function's
+``parameters``), assistant ``tool_calls`` and ``tool`` messages in their history, and
+``chat_template_kwargs`` for the template (``enable_thinking``). Any request may constrain its
+output (``response_format``, ``structured_outputs``: ``engine.structured``). Sampling fields a
+request leaves out take the checkpoint's ``generation_config.json`` values, then OpenAI's.
 """
 from __future__ import annotations
 
@@ -19,22 +28,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sequence import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from engine.server.chat_output import ChatParsing
+from engine.server.tool_parsers import tool_parser
+from engine.server.tools import ToolRequestError, call_schema, messages_for_template, validate_tools
+from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
 log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16  # choices per prompt
 MAX_BODY_BYTES = 32 << 20
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}  # OpenAI's, meaningless here: accepted
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
                  "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logprobs", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "logit_bias"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools",
-                               "tool_choice", "response_format"}
-# fields whose non-default value would change the answer: refused rather than ignored
-UNSUPPORTED = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
-_warned: set[str] = set()
+                 "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
+                 "structured_outputs"} | IGNORED_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs"}
+# fields this server knows and does not implement: refused unless they ask for nothing (one of these values)
+REFUSED = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
+           "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
+           "skip_special_tokens": (None, True), "add_special_tokens": (None, False), "prompt_logprobs": (None,),
+           "priority": (None, 0)}
+# sampling fields generation_config.json may give defaults for (vLLM's), and OpenAI's own defaults
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+# chat_template_kwargs the server sets itself
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                            "continue_final_message", "return_dict", "chat_template"}
 
 
 class APIError(Exception):
@@ -106,15 +127,25 @@ class GenerationRequest:
     include_usage: bool
     chat: bool
     logprobs: bool           # return logprobs (chat: with top_logprobs alternatives)
+    structured: StructuredSpec | None = None   # what the output must match (compiled before it runs)
+    parsing: ChatParsing = ChatParsing()        # chat: how the output is read (reasoning, tool calls)
 
 
 class OpenAIProtocol:
     """Parses requests against one model: its ``tokenizer`` (for text prompts, chat templates and
-    token strings), ``model_name``, ``max_model_len`` and ``vocab_size``."""
+    token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
+    (``engine.server.tool_parsers``; "none": tools are refused) reads tool calls,
+    ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
+    tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults)."""
 
-    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
+                 tool_call_parser: str = "none", reasoning_parser: str | None = None,
+                 chat_template: str | None = None, generation_config: dict | None = None):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.chat_template = chat_template
+        self.defaults = sampling_defaults(generation_config or {})
         self._token_text: dict[int, str] = {}
 
     # ---- requests ----------------------------------------------------------------------------
@@ -124,7 +155,8 @@ class OpenAIProtocol:
         logprobs = _bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
         prompts = self._completion_prompts(body.get("prompt"))
         max_tokens = _bounded_int(body, "max_tokens", 1, MAX_SEED, None)
-        return self._request(body, prompts, max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, chat=False)
+        return self._request(body, prompts, max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, chat=False,
+                             structured=_structured_spec(body))
 
     def chat(self, body: dict) -> GenerationRequest:
         self._check_fields(body, CHAT_FIELDS)
@@ -135,11 +167,36 @@ class OpenAIProtocol:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         max_tokens = _bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
                                   _bounded_int(body, "max_tokens", 1, MAX_SEED, None))
-        prompt = self._encode(self._render_chat(body.get("messages")), "messages")
-        return self._request(body, [prompt], max_tokens, None, logprobs, chat=True)
+        tools = self._tool_request(body)
+        rendered = self._render_chat(body.get("messages"), tools.tools, field(body, "chat_template_kwargs", dict, {}))
+        structured = _structured_spec(body)
+        reads_tools = bool(tools.tools) and tools.tool_choice != "none"
+        if tools.tool_choice == "required":
+            if structured is not None:
+                raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
+                                    "'structured_outputs' cannot constrain one output together", param="tool_choice")
+            parser = tool_parser(self.tool_call_parser)
+            structured = tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key),
+                                        parser.call_suffix)
+        parsing = ChatParsing(self.tool_call_parser if reads_tools else None, self.reasoning_parser, rendered)
+        return self._request(body, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
+                             structured=structured, parsing=parsing)
+
+    def _tool_request(self, body: dict):
+        """The request's tool fields, checked; tools to read need a tool-call parser."""
+        try:
+            tools = validate_tools(body)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools.tools and tools.tool_choice != "none" and self.tool_call_parser == "none":
+            raise APIError(400, "this server reads no tool calls from the model's output: start it with "
+                                "--tool-call-parser (hermes for Qwen, llama3_json for Llama), or send "
+                                "tool_choice 'none'", param="tools")
+        return tools
 
     def _request(self, body: dict, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
-                 logprobs: int | None, chat: bool) -> GenerationRequest:
+                 logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
+                 parsing: ChatParsing = ChatParsing()) -> GenerationRequest:
         self._check_model(body)
         n = _bounded_int(body, "n", 1, MAX_N, 1)
         best_of = _bounded_int(body, "best_of", 1, MAX_N, n)
@@ -154,15 +211,18 @@ class OpenAIProtocol:
                 choices.append(Choice(p_index * n + j, p_index, prompt, dataclasses.replace(fitted, seed=seed)))
         stream = field(body, "stream", bool, False)
         include_usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False)
-        return GenerationRequest(choices, sum(map(len, prompts)), stream, include_usage, chat, logprobs is not None)
+        return GenerationRequest(choices, sum(map(len, prompts)), stream, include_usage, chat, logprobs is not None,
+                                 structured, parsing)
 
-    def _check_fields(self, body: dict, known: set[str]) -> None:
+    @staticmethod
+    def _check_fields(body: dict, known: set[str]) -> None:
+        """Every field is known here, or refused naming it (``REFUSED``: unless it asks for nothing)."""
         for name, value in body.items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
-            if name not in known and name not in _warned:
-                _warned.add(name)
-                log.warning("ignoring the request field %r, which this server does not know", name)
+            if name in REFUSED:
+                if not any(value == v and type(value) is type(v) for v in REFUSED[name]):
+                    raise APIError(400, f"'{name}' is not supported by this server", param=name)
+            elif name not in known:
+                raise APIError(400, f"unknown field '{name}'", param=name)
 
     def _check_model(self, body: dict) -> None:
         model = field(body, "model", str)
@@ -180,15 +240,18 @@ class OpenAIProtocol:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
             raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {self.vocab_size})",
                            param="stop_token_ids")
+        defaults = self.defaults
         try:
             return SamplingParams(
-                temperature=field(body, "temperature", float, 1.0), top_p=field(body, "top_p", float, 1.0),
-                top_k=field(body, "top_k", int, 0), stop=stop, stop_token_ids=stop_ids,
+                temperature=field(body, "temperature", float, defaults["temperature"]),
+                top_p=field(body, "top_p", float, defaults["top_p"]),
+                top_k=field(body, "top_k", int, defaults["top_k"]), stop=stop, stop_token_ids=stop_ids,
                 ignore_eos=field(body, "ignore_eos", bool, False), seed=field(body, "seed", int),
                 min_tokens=field(body, "min_tokens", int, 0),
                 presence_penalty=field(body, "presence_penalty", float, 0.0),
                 frequency_penalty=field(body, "frequency_penalty", float, 0.0),
-                repetition_penalty=field(body, "repetition_penalty", float, 1.0), logprobs=logprobs,
+                repetition_penalty=field(body, "repetition_penalty", float, defaults["repetition_penalty"]),
+                logprobs=logprobs,
                 max_tokens=MAX_SEED)  # a placeholder bound: _fit sets each prompt's own
         except ValueError as e:  # "SamplingParams.<field> must be ..."
             name = str(e).removeprefix("SamplingParams.").split(" ", 1)[0]
@@ -201,33 +264,43 @@ class OpenAIProtocol:
 
         if isinstance(prompt, str) or is_ids(prompt):
             prompt = [prompt]
-        elif not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt)):
+        elif not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                            all(is_ids(p) for p in prompt))):
             raise APIError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
-                                "array of token-id arrays", param="prompt")
+                                "array of token-id arrays (not a mix of strings and token ids)", param="prompt")
         for p in prompt:
             if not isinstance(p, str) and not all(0 <= t < self.vocab_size for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return [self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
 
-    def _render_chat(self, messages: Any) -> str:
-        """``messages`` through the tokenizer's chat template, with the assistant turn opened."""
+    def _render_chat(self, messages: Any, tools: list[dict], template_kwargs: dict) -> str:
+        """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
+        ``template_kwargs`` go to the template (``enable_thinking``, ...)."""
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty array", param="messages")
         rendered = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                                  and isinstance(p.get("text"), str) for p in content):
                 content = "".join(p["text"] for p in content)
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
+            calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
+                    (isinstance(content, str) or content is None and calls)):
                 raise APIError(400, "each message must be an object with a string 'role' and a 'content' string "
-                                    "(or an array of text parts)", param="messages")
-            rendered.append({"role": m["role"], "content": content})
-        if not self.tokenizer.chat_template:
+                                    "(or an array of text parts; null for an assistant message with tool_calls)",
+                               param=f"messages[{i}]")
+            rendered.append({**m, "content": content})
+        bad = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise APIError(400, f"'chat_template_kwargs.{bad[0]}' is set by the server", param="chat_template_kwargs")
+        if not (self.chat_template or self.tokenizer.chat_template):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages_for_template(rendered), tools=tools or None,
+                                                      chat_template=self.chat_template, add_generation_prompt=True,
+                                                      tokenize=False, **template_kwargs)
         except Exception as e:  # jinja2 errors, e.g. a template's raise_exception for a role order
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
 
@@ -315,6 +388,24 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: 
         counts["completion_tokens_details"] = {"accepted_prediction_tokens": num_accepted_tokens,
                                                "rejected_prediction_tokens": num_draft_tokens - num_accepted_tokens}
     return counts
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """A request's sampling defaults: the checkpoint's ``generation_config.json`` values where it
+    gives them (vLLM's rule), else OpenAI's (``GENERATION_DEFAULTS``)."""
+    defaults = dict(GENERATION_DEFAULTS)
+    for name, default in GENERATION_DEFAULTS.items():
+        value = generation_config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[name] = type(default)(value)
+    return defaults
+
+
+def _structured_spec(body: dict) -> StructuredSpec | None:
+    try:
+        return spec_from_request(body)
+    except StructuredOutputError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def _finite(x: float) -> float:

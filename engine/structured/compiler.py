@@ -179,6 +179,12 @@ class GrammarCompiler:
             return self._xgrammar.compile_regex(spec.value)
         if spec.kind == "choice":
             return self._xgrammar.compile_grammar(choice_grammar(json.loads(spec.value)))
+        if spec.kind == "tool_call":
+            call = json.loads(spec.value)
+            return self._xgrammar.compile_grammar(xgr.Grammar.concat(
+                *(xgr.Grammar.from_ebnf(choice_grammar([text])) for text in (call["prefix"],) if text),
+                json_schema_grammar(json.dumps(call["schema"]), self.any_whitespace),
+                *(xgr.Grammar.from_ebnf(choice_grammar([text])) for text in (call["suffix"],) if text)))
         return self._xgrammar.compile_grammar(spec.value)
 
     def _too_slow(self) -> _Refused:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -39,8 +39,10 @@ class StructuredSpec:
     compact JSON with its keys in the request's order (the order of ``properties`` is the order
     the output's keys take, so it is not sorted), for ``regex`` the pattern, for ``grammar`` the
     EBNF (root rule ``root``), for ``choice`` the JSON array of the allowed strings, for
-    ``json_object`` "" (any JSON object). ``param`` is the request field it came from (for error
-    messages; not part of equality, hash or ``key``)."""
+    ``json_object`` "" (any JSON object), for ``tool_call`` the compact JSON object
+    ``{"prefix", "schema", "suffix"}``: the prefix text, then JSON following the schema, then the
+    suffix (a call a tool parser reads; :func:`tool_call_spec`). ``param`` is the request field it
+    came from (for error messages; not part of equality, hash or ``key``)."""
 
     kind: str
     value: str
@@ -70,6 +72,13 @@ def spec_from_request(body: dict) -> StructuredSpec | None:
     if structured is not None:
         return _from_structured_outputs(structured)
     return None
+
+
+def tool_call_spec(prefix: str, schema: dict, suffix: str, param: str = "tool_choice") -> StructuredSpec:
+    """The spec of one tool call written as ``prefix`` + JSON following ``schema`` + ``suffix``
+    (the JSON schema of the call object, ``engine.server.tools.call_schema``)."""
+    return StructuredSpec("tool_call", json.dumps({"prefix": prefix, "schema": schema, "suffix": suffix},
+                                                  ensure_ascii=False, separators=(",", ":")), param)
 
 
 def _from_response_format(value: Any) -> StructuredSpec | None:

@@ -651,3 +651,28 @@ def compile_timings(tokenizer, eos) -> dict:
 if __name__ == "__main__":
     _tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
     print(json.dumps({"vocab": VOCAB, "timings": compile_timings(_tokenizer, _tokenizer.eos_token_id)}, indent=1))
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("choice", ["required", "add"])
+def test_a_forced_tool_call_parses_and_validates(compiler, tokenizer, eos, parser_name, choice):
+    """``tool_choice`` ``required`` or a named function: the ``tool_call`` spec (the parser's call
+    prefix, the call object's schema, its suffix) makes every output one call that the same
+    parser reads whole, naming a tool of the request, its arguments valid for its parameters."""
+    from agent_cases import TOOLS
+    from engine.server.tool_parsers import tool_parser
+    from engine.server.tools import call_schema, validate_tools
+    from engine.structured.spec import tool_call_spec
+
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+            "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}}
+    parser = tool_parser(parser_name)
+    request = validate_tools(body)
+    compiled = compiler.compile(tool_call_spec(parser.call_prefix, call_schema(request, parser.arguments_key),
+                                               parser.call_suffix))
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for text in outputs(compiled, tokenizer, eos):
+        content, calls = parser.extract(text)
+        assert content is None and len(calls) == 1, text
+        assert calls[0].name in parameters and (choice == "required" or calls[0].name == choice)
+        jsonschema.validate(json.loads(calls[0].arguments), parameters[calls[0].name])
