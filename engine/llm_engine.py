@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,9 +27,9 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.qwen import QwenForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, RequestOutput
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.sequence import SamplingParams, Sequence
 from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
 
 log = logging.getLogger(__name__)
@@ -38,27 +37,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 FORCED_CLASSES = {"qwen_tp": QwenForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
 BACKENDS = ("tp", *FORCED_CLASSES, "hf")
-
-
-@dataclass
-class RequestOutput:
-    """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
-    None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
-    says why). ``logprobs`` (when the request asked for them): per output token, (its id, its
-    logprob, the [(token id, logprob)] of the most likely tokens). Speculative decoding: the
-    tokens drafted for it and verified (``num_draft_tokens``) and those accepted
-    (``num_accepted_tokens``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    reject_reason: str | None = None
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 def _model_class(config: ModelConfig, backend: str) -> type | None:
@@ -116,24 +94,6 @@ def _load_tokenizer(model_dir: Path):
     if declared == "PreTrainedTokenizerFast":
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@dataclass
-class RequestUpdate:
-    """A request's progress since a reader last looked (``LLMEngine.request_update``): the text
-    from the reader's character offset on and the text's length now, the output token count,
-    the logprobs of the output tokens from the reader's index on, the finish state, and the
-    drafted and accepted token counts so far (speculative decoding)."""
-
-    text: str
-    text_length: int
-    num_tokens: int
-    logprobs: list
-    finished: bool
-    finish_reason: str | None = None
-    reject_reason: str | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -220,21 +180,19 @@ class LLMEngine:
                                       self.eos_token_ids, drafter.num_speculative_tokens if drafter else 0)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.eos_token_ids, admission, drafter=drafter)
+                                   self.eos_token_ids, admission, drafter=drafter, on_free=self.runner.release)
         self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
         if overlap and drafter is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
                      "overlap is off")
         self.overlap = overlap and model_class is not None and drafter is None
-        self._in_flight: LaunchedStep | None = None
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._requests: dict[str, Sequence] = {}
-        self._finished_unreported: list[str] = []
+        self._in_flight: LaunchedStep | None = None  # launched by the last step(), not read back yet
+        self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
         self._ids = itertools.count()
         self._generation: list[str] = []
         self.num_steps = 0
         self.host_seconds = 0.0  # time step() spent on the host, waits for the device excluded
-        self.num_prompt_tokens = self.num_generation_tokens = 0  # of the requests admitted; tokens read back
+        self.num_prompt_tokens = 0  # of the requests admitted
         if self.tp.rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
 
@@ -275,17 +233,14 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         params = sampling_params or SamplingParams()
         self._check_params(params)
-        request_id = str(next(self._ids))
-        seq = Sequence(token_ids, params, request_id=request_id)
-        # text is read on rank 0; another rank needs it only to match stop strings (same decisions)
-        self.outputs.add(seq, detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop)))
-        self._requests[request_id] = seq
-        if not self.scheduler.add(seq):
-            log.warning("request %s rejected: %s", request_id, seq.reject_reason)
-            self._finished_unreported.append(request_id)
-        else:
+        seq = Sequence(token_ids, params, request_id=str(next(self._ids)))
+        self.outputs.add(seq, detokenize)
+        if self.scheduler.add(seq):
             self.num_prompt_tokens += seq.num_prompt_tokens
-        return request_id
+        else:
+            log.warning("request %s rejected: %s", seq.request_id, seq.reject_reason)
+            self.outputs.finish(seq.request_id)
+        return seq.request_id
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids within this model's vocabulary, and the
@@ -305,42 +260,37 @@ class LLMEngine:
         after the step in flight that holds it). False for an unknown or finished request."""
         if not self.scheduler.abort(request_id):
             return False
-        self._release_freed()
-        self._finished_unreported.append(request_id)
+        self.outputs.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def request_output(self, request_id: str) -> RequestOutput:
-        seq = self._requests[request_id]
-        rejected = seq.status is SequenceStatus.REJECTED
-        return RequestOutput(request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             self.outputs.text(request_id), seq.is_finished,
-                             "rejected" if rejected else seq.finish_reason, seq.reject_reason,
-                             self.outputs.logprobs(request_id), seq.num_draft_tokens, seq.num_accepted_tokens)
+    @property
+    def num_generation_tokens(self) -> int:
+        """Output tokens that reached a request's output so far."""
+        return self.outputs.num_generation_tokens
 
-    def request_progress(self, request_id: str) -> tuple[str, int, bool]:
-        """(text, output token count, finished) so far without copying the token ids: what a
-        streaming loop polls every step (``request_output`` once the request has finished)."""
-        seq = self._requests[request_id]
-        return self.outputs.text(request_id), len(seq.output_token_ids), seq.is_finished
+    def request_output(self, request_id: str, tokens_from: int = 0, text_from: int = 0) -> RequestOutput:
+        """The request's output so far (``OutputProcessor.output``): whole, or its token ids and
+        logprobs from output index ``tokens_from`` on and its text from character ``text_from`` on,
+        which is what a streaming loop reads after each step. A running request's text stops
+        short of what could still become a stop string."""
+        return self.outputs.output(request_id, tokens_from, text_from)
 
-    def request_update(self, request_id: str, text_from: int = 0, logprobs_from: int = 0) -> RequestUpdate:
-        """What a streaming loop reads after each step, copying nothing it already has."""
-        seq = self._requests[request_id]
-        text, length = self.outputs.text_from(request_id, text_from)
-        reason = "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason
-        logprobs = self.outputs.logprobs_from(request_id, logprobs_from)
-        return RequestUpdate(text, length, len(seq.output_token_ids), logprobs, seq.is_finished, reason,
-                             seq.reject_reason, seq.num_draft_tokens, seq.num_accepted_tokens)
+    def request_ids(self) -> list[str]:
+        """The requests the engine holds: unfinished, or finished and not popped."""
+        return self.outputs.request_ids()
+
+    def sequence(self, request_id: str) -> Sequence:
+        """The request's ``Sequence`` as the scheduler keeps it (read only: tests and tools inspect it)."""
+        return self.outputs.sequence(request_id)
 
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
         output = self.request_output(request_id)
         if not output.finished:
             raise ValueError(f"request {request_id} is not finished")
-        del self._requests[request_id]
         self.outputs.remove(request_id)
         return output
 
@@ -359,67 +309,44 @@ class LLMEngine:
         start, waited = time.perf_counter(), 0.0
         try:
             if self._in_flight is not None and self.scheduler.needs_drain:
-                waited += self._postprocess(self._take_in_flight())
+                waited += self.postprocess(self._take_in_flight())
             batch = self.scheduler.schedule()
-            self._release_freed()  # preempted sequences
             previous = self._in_flight
             self._in_flight = self.runner.launch(batch, previous) if batch.seqs else None
             self.num_steps += bool(batch.seqs)
             if previous is not None:
-                waited += self._postprocess(previous)
+                waited += self.postprocess(previous)
             if self._in_flight is not None and not (self.overlap and self.scheduler.has_unfinished()):
-                waited += self._postprocess(self._take_in_flight())
-        except Exception:
+                waited += self.postprocess(self._take_in_flight())
+        except Exception as e:
             self._in_flight = None
-            self._finished_unreported += [seq.request_id for seq in self.scheduler.fail_in_flight()]
-            self._release_freed()
+            for seq in self.scheduler.fail_in_flight():
+                self.outputs.finish(seq.request_id, f"the engine failed on this request: {type(e).__name__}: {e}")
             raise
         finally:
             self.host_seconds += time.perf_counter() - start - waited
         if not batch.seqs and previous is None and self.scheduler.has_unfinished() and not self.scheduler.running:
-            for seq in list(self.scheduler.waiting):  # nothing runs and nothing fits: never wait forever
-                self.scheduler.finish(seq.request_id, "rejected")
-                seq.reject_reason = "could not be scheduled on an idle engine"
-                self._finished_unreported.append(seq.request_id)
-            self._release_freed()
-        done, self._finished_unreported = self._finished_unreported, []
-        return [self.request_output(rid) for rid in done if rid in self._requests]  # popped: forgotten
+            # nothing runs and nothing fits: never wait forever
+            for seq in self.scheduler.reject_waiting("could not be scheduled on an idle engine"):
+                self.outputs.finish(seq.request_id)
+        return self.outputs.take_finished()
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
         return launched
 
-    def _postprocess(self, launched: LaunchedStep) -> float:
-        """Read back a launched step's tokens and hand them to the scheduler; detokenise the
-        new ones (a matched stop string ends its request). Returns the seconds spent waiting."""
+    def postprocess(self, launched: LaunchedStep) -> float:
+        """The second half of a step: read back a launched step's tokens and hand them to the
+        scheduler, then its outputs to the output processor, ending the requests a stop string (or
+        undecodable text) ended. Returns the seconds spent waiting for the device. ``step`` calls
+        it; a test that schedules and launches a batch by hand completes it here."""
         start = time.perf_counter()
         token_ids = launched.token_ids()
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
-        self._finished_unreported += [seq.request_id for seq in result.finished]
-        logprobs = launched.logprobs()
-        if logprobs:
-            appended = {id(seq) for seq in result.appended}
-            for entry, item in logprobs.items():
-                seq = launched.batch.seqs[entry]
-                if id(seq) in appended:
-                    self.outputs.add_logprobs(seq.request_id, (seq.output_token_ids[-1], *item))
-        known = [len(seq.output_token_ids) - n for seq, n in zip(result.appended, result.num_new)]
-        stopped, failed = self.outputs.process(result.appended, result.num_new)
-        # tokens a stop string cut from an accepted run of drafts never count
-        self.num_generation_tokens += sum(len(seq.output_token_ids) for seq in result.appended) - sum(known)
-        for seq, reason in [(seq, "stop") for seq in stopped] + [(seq, "error") for seq in failed]:
-            if self.scheduler.finish(seq.request_id, reason):
-                self._finished_unreported.append(seq.request_id)
-            else:  # already finished this step (its text could not be flushed)
-                seq.finish_reason = reason
-        self._release_freed()
+        for request_id, reason in self.outputs.process_outputs(result.outputs, launched.logprobs()):
+            self.scheduler.finish(request_id, reason)
         return waited
-
-    def _release_freed(self) -> None:
-        """Drop the runner state of every sequence whose blocks the scheduler freed."""
-        for seq in self.scheduler.take_freed():
-            self.runner.release(seq)
 
     # ---- the seed's convenience API ------------------------------------------------------------
 
@@ -433,7 +360,7 @@ class LLMEngine:
 
     def get_generation_outputs(self) -> list[str]:
         """The texts of the last ``begin_generation``'s prompts, in order ("" for rejected ones)."""
-        return [self.outputs.text(rid) for rid in self._generation]
+        return [self.request_output(rid).text for rid in self._generation]
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: str | list[str] | None = None, seed: int | None = None,
@@ -458,7 +385,7 @@ class LLMEngine:
         """Step until every request has finished; the caller collects the outputs itself."""
         while self.has_unfinished_requests():
             self.step()
-        self._finished_unreported.clear()
+        self.outputs.take_finished()
 
 
 def _sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

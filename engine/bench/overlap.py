@@ -73,7 +73,7 @@ def run_mode(engine, device: SimulatedDevice, num_seqs: int, prompt_len: int, ou
     ids = [engine.add_request(random_prompt(rng, prompt_len, vocab),
                               SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, seed=i))
            for i in range(num_seqs)]
-    while not all(engine.request_progress(rid)[1] for rid in ids):
+    while not all(engine.request_output(rid).token_ids for rid in ids):
         engine.step()  # prefill: every request has its first token
     steps, host, busy = engine.num_steps, engine.host_seconds, device.busy_seconds
     wall = []

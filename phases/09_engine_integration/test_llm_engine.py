@@ -144,7 +144,7 @@ def test_generate_terminates_when_nothing_can_run(engines, greedy):
     """A request the idle engine cannot schedule is rejected, never left waiting forever."""
     engine = engines["Qwen3ForCausalLM"]
     rid = engine.add_request([3, 4, 5], greedy)
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     engine.scheduler.max_num_seqs = 0  # now it can never be admitted
     try:
         out = [o for o in engine.step() if o.request_id == rid]
@@ -315,13 +315,17 @@ def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greed
 
 
 def test_request_progress_follows_the_output(engines, greedy):
-    """request_progress (what a streaming loop polls) agrees with request_output at every step."""
+    """The deltas a streaming loop reads after each step (request_output from its cursor on)
+    add up to request_output at every step."""
     engine = engines["Qwen2ForCausalLM"]
     rid = engine.add_request("the quick brown fox", greedy)
+    text, num_tokens = "", 0
     while engine.has_unfinished_requests():
         engine.step()
+        delta = engine.request_output(rid, tokens_from=num_tokens, text_from=len(text))
+        text, num_tokens = text + delta.text, num_tokens + len(delta.token_ids)
         out = engine.request_output(rid)
-        assert engine.request_progress(rid) == (out.text, len(out.token_ids), out.finished)
+        assert (text, num_tokens, delta.finished) == (out.text, len(out.token_ids), out.finished)
     engine.pop_request(rid)
     assert_no_block_leaks(engine)
 
@@ -335,13 +339,13 @@ def test_a_request_whose_text_fails_fails_alone(engines, monkeypatch):
     free = engine.generate_tokens([engine.tokenizer.encode(w, add_special_tokens=False) for w in words], params)
     texts = engine.generate(words, max_new_tokens=MAX_NEW, ignore_eos=True)
     poison = next(t for t in free[1] if t not in free[0] + free[2])
-    real = engine.outputs._decode
+    real = engine.outputs.decode
 
     def decode(id_lists):
         if any(poison in ids for ids in id_lists):
             raise RuntimeError("the tokenizer failed")
         return real(id_lists)
-    monkeypatch.setattr(engine.outputs, "_decode", decode)
+    monkeypatch.setattr(engine.outputs, "decode", decode)
     ids = [engine.add_request(w, params) for w in words]
     while engine.has_unfinished_requests():
         engine.step()

@@ -34,7 +34,7 @@ def start_decoding(engine, prompts, max_tokens=20):
     ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     for _ in range(2):
         engine.step()
-    return [engine._requests[i] for i in ids]
+    return [engine.sequence(i) for i in ids]
 
 
 def finish(engine):
@@ -65,7 +65,7 @@ def staged_decode(engine):
 
 
 def complete(engine, batch):
-    engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+    engine.postprocess(engine.runner.launch(batch))
 
 
 class ForwardRecorder:
@@ -133,7 +133,7 @@ def test_prefill_context_skips_cached_prefix_tokens(engine):
     start_decoding(engine, [shared + [1]], max_tokens=2)
     finish(engine)
     rid = engine.add_request(shared + [2, 3], SamplingParams(temperature=0.0, max_tokens=2))
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     batch = engine.scheduler.schedule()
     assert batch.seqs == [seq] and batch.starts == [20] and batch.num_tokens == [2] and seq.num_cached_tokens == 20
     runner = engine.runner
@@ -154,7 +154,7 @@ def test_mixed_step_puts_decode_rows_first(engine):
     (decoding,) = start_decoding(engine, [list(range(2, 9))])
     rid = engine.add_request(list(range(60, 66)), greedy())
     batch = engine.scheduler.schedule()
-    prefilling = engine._requests[rid]
+    prefilling = engine.sequence(rid)
     assert batch.seqs == [decoding, prefilling] and batch.num_tokens == [1, 6]
     runner = engine.runner
     input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
@@ -186,7 +186,7 @@ def test_one_token_prefill_chunks_beside_a_decode_read_their_own_tokens(checkpoi
         batch = engine.scheduler.schedule()
         chunks += [start for seq, start in zip(batch.seqs, batch.starts)
                    if seq.request_id == second and start < len(prompts[1])]
-        engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+        engine.postprocess(engine.runner.launch(batch))
     assert chunks == list(range(len(prompts[1])))  # one token per step, beside the decode
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     for rid, prompt, new in ((first, prompts[0], 12), (second, prompts[1], 4)):

@@ -47,7 +47,7 @@ def run(engine, prompts, steps=None):
         if steps is not None:
             del engine.runner.launch
     for rid in ids:
-        assert engine.outputs.streamed_token_ids(rid) == engine._requests[rid].output_token_ids, \
+        assert engine.outputs.streamed_token_ids(rid) == engine.sequence(rid).output_token_ids, \
             "a token streamed twice"
     return [engine.pop_request(rid).token_ids for rid in ids]
 

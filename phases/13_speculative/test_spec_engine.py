@@ -205,8 +205,8 @@ def test_verify_rows_logits_equal_transformers(checkpoints, arch, mixed):
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([c])).logits[0, -1] for c in contexts])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    engine.scheduler.postprocess(batch, runner.launch(batch).token_ids())
-    for rid in engine._requests:
+    engine.postprocess(runner.launch(batch))
+    for rid in engine.request_ids():
         engine.abort_request(rid)
     assert_no_block_leaks(engine)
 

@@ -148,7 +148,6 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
                     sched.add(seqs[i])
             if r["abort_at"] == step and i in seqs:
                 sched.abort(seqs[i].request_id)
-        sched.take_freed()
         batch = sched.schedule()
         if batch.seqs:
             d, a = run_verify_step(sched, kv, batch, noise, noisy, budget, max_model_len)
