@@ -94,16 +94,16 @@ class LaunchedStep:
         self._wait()
         return self._host[0].tolist()
 
-    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
-        """Entry -> (the sampled token's logprob, [(token id, logprob)] of the most likely tokens,
-        most likely first), for the entries that asked."""
+    def logprobs(self) -> dict[str, tuple[float, list[tuple[int, float]]]]:
+        """Request id -> (the sampled token's logprob, [(token id, logprob)] of the most likely
+        tokens, most likely first), for the requests that asked."""
         if self._logprobs is None:
             return {}
         self._wait()
         chosen, values, ids = (t.tolist() for t in self._host[1:])
-        n = {i: self.batch.seqs[i].sampling_params.logprobs for i in self._logprobs.entries}
-        return {entry: (c, list(zip(i[:n[entry]], v[:n[entry]])))
-                for entry, c, v, i in zip(self._logprobs.entries, chosen, values, ids)}
+        seqs = [self.batch.seqs[entry] for entry in self._logprobs.entries]
+        return {seq.request_id: (c, list(zip(i[:seq.sampling_params.logprobs], v[:seq.sampling_params.logprobs])))
+                for seq, c, v, i in zip(seqs, chosen, values, ids)}
 
     @property
     def index_of(self) -> dict[str, int]:

@@ -172,22 +172,21 @@ class OutputProcessor:
         finished request is flushed with its last), matching its stop strings in each token's new
         text. A stop string ends the output at the token that completed it; text that cannot be
         decoded ends it with "error" (each request decoded alone finds the culprits)."""
-        work = list(texts)
-        for index in range(max(len(out.new_token_ids) for _, out in work)):
-            work = [(state, out) for state, out in work if index < len(out.new_token_ids)]
+        ended: set[int] = set()  # id() of the states whose output ended inside the step's tokens
+        for index in range(max(len(out.new_token_ids) for _, out in texts)):
+            work = [(state, out) for state, out in texts if index < len(out.new_token_ids) and id(state) not in ended]
             steps = [(state.detokenizer, out.new_token_ids[index],
                       out.finish_reason is not None and index == len(out.new_token_ids) - 1) for state, out in work]
-            ended = []
             for (state, out), delta in zip(work, self._detokenize([state for state, _ in work], steps)):
                 if delta is None:
                     self._end(state, out, index, "error", to_finish)
-                    ended.append(state)
+                    ended.add(id(state))
                 elif delta and self._cut_at_stop_string(state, delta):
                     self._end(state, out, index + 1, "stop", to_finish)
-                    ended.append(state)
-            work = [(state, out) for state, out in work if state not in ended]
-        for state, out in work:
-            self._advance(state, len(out.new_token_ids), out.finish_reason)
+                    ended.add(id(state))
+        for state, out in texts:
+            if id(state) not in ended:
+                self._advance(state, len(out.new_token_ids), out.finish_reason)
 
     def _end(self, state: RequestState, out: SequenceOutput, num_tokens: int, reason: str, to_finish: list) -> None:
         """End the output after ``num_tokens`` of the step's new tokens ("error": all of them),
