@@ -81,8 +81,8 @@ class ScheduledBatch:
 
     ``drafts[i]``: tokens drafted for a decode entry (speculative decoding), computed after its
     last token at positions ``starts[i] + 1 ..``; ``num_tokens[i] = 1 + len(drafts[i])`` and the
-    step samples after each of them too. The step's sampled rows are one per entry, then one
-    per drafted token in entry order (``num_rows``, ``row_seqs``)."""
+    step samples after each of them too. The step's logits rows (what it samples from) are one per
+    entry, then one per drafted token in entry order (``num_logits_rows``, ``logits_row_seqs``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -99,7 +99,7 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every token is a decode row: each entry computes its last token and its drafts, all
+        """Every token is a decode token: each entry computes its last token and its drafts, all
         sampled (what a CUDA-graph decode step can replay)."""
         return all(n == 1 + len(d) for n, d in zip(self.num_tokens, self.drafts))
 
@@ -109,13 +109,13 @@ class ScheduledBatch:
         return [i for i, draft in enumerate(self.drafts) for _ in draft]
 
     @property
-    def num_rows(self) -> int:
-        """Sampled rows: one per entry and one per drafted token."""
+    def num_logits_rows(self) -> int:
+        """Logits rows the step samples: one per entry and one per drafted token."""
         return len(self.seqs) + sum(map(len, self.drafts))
 
     @property
-    def row_seqs(self) -> list[Sequence]:
-        """The sequence of each sampled row."""
+    def logits_row_seqs(self) -> list[Sequence]:
+        """The sequence of each logits row."""
         return self.seqs + [self.seqs[i] for i in self.draft_entries]
 
     @property
@@ -273,8 +273,8 @@ class Scheduler:
         published); its blocks are freed once no batch in flight holds it."""
         if not self._in_flight or self._in_flight[0] is not batch:
             raise RuntimeError("postprocess() takes the batches in the order they were scheduled")
-        if batch.num_rows != len(token_ids):
-            raise ValueError(f"{batch.num_rows} sampled rows but {len(token_ids)} token ids")
+        if batch.num_logits_rows != len(token_ids):
+            raise ValueError(f"{batch.num_logits_rows} sampled rows but {len(token_ids)} token ids")
         self._in_flight.popleft()
         result = StepResult()
         draft_rows = iter(token_ids[len(batch):])

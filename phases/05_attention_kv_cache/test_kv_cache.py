@@ -63,7 +63,7 @@ def test_bind_gives_every_layer_its_own_paged_cache():
 
 
 def test_step_context_rejects_impossible_layouts():
-    from engine.attention_context import prefill_context
+    from phases.harness import prefill_context
 
     with pytest.raises(ValueError, match="cached tokens"):
         prefill_context([5], [5], [[0]], 16, "cpu")  # nothing left to compute
@@ -74,7 +74,7 @@ def test_step_context_rejects_impossible_layouts():
 def test_step_context_maps_tokens_to_their_blocks():
     """Slots follow each sequence's own (non-contiguous) block table; cu_seqlens
     count only the new tokens for queries and every token for keys."""
-    from engine.attention_context import decode_context, prefill_context
+    from phases.harness import decode_context, prefill_context
 
     positions, ctx = prefill_context([3, 18], [0, 16], [[7], [2, 5]], 16, "cpu")
     assert positions.tolist() == [0, 1, 2, 16, 17]

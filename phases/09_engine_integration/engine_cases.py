@@ -41,8 +41,9 @@ def assert_no_block_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     assert not any(bm.ref_counts)
-    rows = getattr(engine.runner, "_row_of", {})
-    assert not rows, f"block-table rows still held by {sorted(rows)}"
+    tables = getattr(engine.runner, "tables", None)  # the hf backend holds none
+    held = tables.held if tables is not None else []
+    assert not held, f"block-table rows still held by {sorted(held)}"
 
 
 def shrink_kv_pool(engine, num_blocks: int) -> None:

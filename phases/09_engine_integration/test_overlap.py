@@ -138,7 +138,7 @@ def test_mixed_step_logits_equal_separate_prefill_and_decode(checkpoints, arch):
     assert batch.seqs == seqs and batch.num_tokens == [1, 13, 3] and batch.starts[2] == 20
     runner = engine.runner
     with torch.inference_mode():
-        logits = runner._mixed_step(batch, runner.plan(batch, None), None)[0]
+        logits = runner.forward(runner.prepare(batch))
     with torch.no_grad():
         contexts = [seqs[0].token_ids, seqs[1].prompt_token_ids, seqs[2].prompt_token_ids]
         expected = torch.stack([hf(torch.tensor([c])).logits[0, -1] for c in contexts])

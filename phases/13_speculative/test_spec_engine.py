@@ -196,9 +196,8 @@ def test_verify_rows_logits_equal_transformers(checkpoints, arch, mixed):
     batch = engine.scheduler.schedule()
     assert all(batch.drafts[:2]) and batch.is_decode != mixed
     runner = engine.runner
-    plan = runner.plan(batch, None)
     with torch.inference_mode():
-        logits = (runner._mixed_step if mixed else runner._decode_step)(batch, plan, None)[0]
+        logits = runner.forward(runner.prepare(batch))
     contexts = [seq.token_ids for seq in batch.seqs]
     contexts += [batch.seqs[i].token_ids + batch.drafts[i][:j + 1] for i, draft in enumerate(batch.drafts)
                  for j in range(len(draft))]

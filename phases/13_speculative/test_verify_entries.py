@@ -250,6 +250,6 @@ def test_postprocess_wants_one_id_per_sampled_row(num_rows):
     seq = Sequence([1, 2, 3, 4] * 3, SamplingParams(max_tokens=16, ignore_eos=True))
     prefill(sched, seq, first=1)
     batch = sched.schedule()
-    assert batch.num_rows == 5 and batch.row_seqs == [seq] * 5
+    assert batch.num_logits_rows == 5 and batch.logits_row_seqs == [seq] * 5
     with pytest.raises(ValueError, match="5 sampled rows"):
         sched.postprocess(batch, [1] * num_rows)
