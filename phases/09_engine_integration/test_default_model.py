@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy
 

@@ -13,7 +13,8 @@ import torch
 import spec_cases as cases
 from engine.bench.spec import edit_workload
 from engine.engine_args import EngineArgs
-from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 from spec_cases import SPEC, VOCAB, assert_no_block_leaks, expected_runs, repeating_prompts, run, shrink_kv_pool
