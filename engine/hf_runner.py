@@ -1,9 +1,8 @@
 """The ``hf`` backend: transformers' ``AutoModelForCausalLM`` under our scheduler and sampler.
 
-The seed's RealModelRunner fallback, for a model our own runners do not cover
-or to cross-check them: no paged KV cache (each sequence keeps transformers'
-own cache, and runs alone), the same Sequence / Scheduler / Sampler / engine
-loop. Single process only.
+A fallback for a model our own runners do not cover, or to cross-check them: no paged KV
+cache (each sequence keeps transformers' own cache, and runs alone), the same Sequence /
+Scheduler / Sampler / engine loop. Single process only.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from engine.sequence import Sequence
 
 
 class HFModelRunner:
-    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``,
+    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``, ``held``,
     ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``).
 
     Each step feeds a sequence its scheduled tokens (a whole prompt, a prefill chunk, or the
@@ -74,3 +73,8 @@ class HFModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)
+
+    @property
+    def held(self) -> list[str]:
+        """The request ids holding a transformers cache."""
+        return list(self._caches)

@@ -1,11 +1,13 @@
-"""LLMEngine: the seed's API over the scheduler, a model runner and a tokenizer.
+"""LLMEngine: requests in, outputs out, over a scheduler, a model runner and an output processor.
 
-``generate`` for simple use; ``add_request`` / ``step`` / ``abort_request`` for a
-server loop; ``begin_generation`` / ``has_unfinished_requests`` /
-``get_generation_outputs`` as the seed names them; ``generate_tokens`` for
-token-level use. Under torchrun every rank runs the same engine loop on the
-same requests: only rank 0 samples and broadcasts, so every rank schedules the
-same steps. Request ids are counters, identical on every rank.
+``add_request`` / ``step`` / ``abort_request`` / ``request_output`` / ``pop_request`` drive a
+loop (the server's); ``generate`` (text) and ``generate_tokens`` (token ids) run prompts to the
+end; ``begin_generation`` / ``has_unfinished_requests`` / ``get_generation_outputs`` queue
+prompts and read their texts. A step is: the scheduler picks the batch, the runner launches it,
+the previous launch is read back (``postprocess``): the scheduler appends its tokens and the
+output processor turns them into each request's output. Under torchrun every rank runs the same
+engine loop on the same requests: only rank 0 samples and broadcasts, so every rank schedules
+the same steps. Request ids are counters, identical on every rank.
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def _load_tokenizer(model_dir: Path):
 
 class LLMEngine:
     """Serves requests through continuous batching, built from a resolved ``EngineConfig``:
-    ``LLMEngine(config)``, or ``LLMEngine(model_dir, **options)`` (the seed's form), which resolves
+    ``LLMEngine(config)``, or ``LLMEngine(model_dir, **options)``, which resolves
     ``EngineArgs(model=model_dir, backend=inference_backend, **options)`` first (no ``model_dir``:
     the demo model shipped in ``engine/default_model``). The options and their defaults are
     ``EngineArgs``'s fields; ``EngineConfig``'s sections say how each default is decided.
@@ -289,7 +291,7 @@ class LLMEngine:
             self.scheduler.finish(request_id, reason)
         return waited
 
-    # ---- the seed's convenience API ------------------------------------------------------------
+    # ---- whole prompts to the end --------------------------------------------------------------
 
     def begin_generation(self, prompts: str | list[str], sampling_params: SamplingParams | None = None,
                          **sampling) -> list[str]:

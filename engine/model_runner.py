@@ -189,6 +189,11 @@ class ModelRunner:
         """Forget a finished or preempted sequence's rows (no-op if it holds none)."""
         self.tables.release(seq)
 
+    @property
+    def held(self) -> list[str]:
+        """The request ids holding runner state (table and sampling rows)."""
+        return self.tables.held
+
     def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
                 decode_size: int | None = None) -> ForwardBatch:
         """The step's ``ForwardBatch``: new sequences get their table rows (and their sampling

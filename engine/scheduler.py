@@ -220,6 +220,11 @@ class Scheduler:
         """Scheduled batches not yet postprocessed (at most two: one running, one being scheduled)."""
         return len(self._in_flight)
 
+    @property
+    def in_flight(self) -> tuple[ScheduledBatch, ...]:
+        """The scheduled batches not yet postprocessed, oldest first."""
+        return tuple(self._in_flight)
+
     def add(self, seq: Sequence) -> bool:
         """Queue a WAITING sequence; False (and status REJECTED with ``reject_reason``)
         when it could never run."""

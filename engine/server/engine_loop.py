@@ -138,7 +138,7 @@ def _apply(engine, commands: list[tuple]) -> list[str | None]:
     return request_ids
 
 
-def _step(engine) -> str | None:
+def run_step(engine) -> str | None:
     """One ``engine.step()``; an error message when it raised (the engine has then finished the
     requests of the steps in flight with "error"). Under TP a failed step is re-raised: fatal."""
     try:
@@ -210,6 +210,10 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (at most ``timeout`` seconds)."""
+        self._thread.join(timeout)
+
     def submit(self, stream: Stream) -> None:
         self._put(("add", stream))
 
@@ -261,7 +265,7 @@ class EngineLoop:
             torch.cuda.set_device(engine.device)
         try:
             while True:
-                commands, streams, stop = self._take_commands()
+                commands, streams, stop = self.take_commands()
                 self._stop_sent = stop
                 _send_commands(commands, stop)
                 for stream, request_id in zip(streams, _apply(engine, commands)):
@@ -274,7 +278,7 @@ class EngineLoop:
                     break
                 if commands or engine.has_unfinished_requests():
                     self._busy_since = time.monotonic()
-                    _step(engine)
+                    run_step(engine)
                     self._busy_since = None
                 self._publish()
                 self.metrics.observe(engine)
@@ -297,7 +301,7 @@ class EngineLoop:
                 except RuntimeError:  # the event loop has closed
                     pass
 
-    def _take_commands(self) -> tuple[list[tuple], list[Stream], bool]:
+    def take_commands(self) -> tuple[list[tuple], list[Stream], bool]:
         """Drain the inbox (waiting up to HEARTBEAT_S when the engine is idle): the commands to
         send, the stream of each add, and whether to stop. Calls run here."""
         items = []

@@ -205,7 +205,7 @@ class StepChecker:
                 assert seq.finish_reason == reason and (seq in result.finished) == (reason is not None)
             assert seq.output_token_ids == got, "output tokens lost or duplicated"
         assert result.appended == appended
-        in_flight = [s for b in sched._in_flight for s in b.seqs]
+        in_flight = [s for b in sched.in_flight for s in b.seqs]
         held = {b for s in [*sched.running, *in_flight] for b in s.block_table}
         assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
         assert bm.num_free_blocks == bm.num_blocks - len(held), "blocks leaked or over-committed"

@@ -41,9 +41,7 @@ def assert_no_block_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     assert not any(bm.ref_counts)
-    tables = getattr(engine.runner, "tables", None)  # the hf backend holds none
-    held = tables.held if tables is not None else []
-    assert not held, f"block-table rows still held by {sorted(held)}"
+    assert not engine.runner.held, f"runner state (block-table rows, caches) still held by {sorted(engine.runner.held)}"
 
 
 def shrink_kv_pool(engine, num_blocks: int) -> None:

@@ -123,7 +123,7 @@ def test_block_tables_and_decode_context_follow_the_block_manager(checkpoint, mo
             offset += n
     assert seen_mixed, "no step mixed decodes with prefill chunks"
     assert seen_pending, "no decode fed a sampled token"
-    assert not engine.runner.tables.held
+    assert not engine.runner.held
 
 
 def test_prefill_context_skips_cached_prefix_tokens(engine):

@@ -220,7 +220,7 @@ def test_acceptance_appends_the_accepted_drafts_and_the_next_token():
         assert seq.output_token_ids == [1] + run and result.num_new == [len(run)]
         assert seq.num_computed_tokens == 12 + len(run) and len(seq.block_table) == blocks(12 + len(run), 2)
         assert (seq.num_draft_tokens, seq.num_accepted_tokens) == (4, len(run) - 1)
-        assert bm._num_published[seq.request_id] == (12 + len(run)) // 2
+        assert bm.num_published(seq) == (12 + len(run)) // 2
 
 
 def test_a_token_that_ends_the_sequence_cuts_the_accepted_run():
