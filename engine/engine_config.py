@@ -19,7 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.qwen import QwenForCausalLM
+from engine.models.dense import DenseForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
 from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from engine.engine_args import EngineArgs
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
-FORCED_CLASSES = {"qwen_tp": QwenForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
+FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
 BACKENDS = ("tp", *FORCED_CLASSES, "hf")
 
 

@@ -8,7 +8,7 @@ from engine.distributed import TPGroup, get_tp_group
 from engine.layers.mlp import SwiGLUMLP
 from engine.layers.moe import DENSE_MAX_TOKENS, EXPERT_PARAMS, GatedSharedExpertMoE, MoE, expert_group
 from engine.models.decoder import CausalLM, DecoderLayer
-from engine.models.qwen import QwenAttention, QwenForCausalLM
+from engine.models.dense import PACKED_MODULES, GQAAttention
 
 
 class QwenMoeDecoderLayer(DecoderLayer):
@@ -23,7 +23,7 @@ class QwenMoeDecoderLayer(DecoderLayer):
             mlp = GatedSharedExpertMoE(config.hidden_size, moe, tp, ep)
         else:
             mlp = MoE(config.hidden_size, moe, tp, ep)
-        super().__init__(QwenAttention(config, tp), mlp, config)
+        super().__init__(GQAAttention(config, tp), mlp, config)
 
 
 class QwenMoeForCausalLM(CausalLM):
@@ -36,7 +36,7 @@ class QwenMoeForCausalLM(CausalLM):
     """
 
     max_graph_batch = DENSE_MAX_TOKENS
-    packed_modules = QwenForCausalLM.packed_modules
+    packed_modules = PACKED_MODULES
     expert_params = EXPERT_PARAMS
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, ep: TPGroup | None = None):

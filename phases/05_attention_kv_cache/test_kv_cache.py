@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
-from engine.models.qwen import QwenAttention
+from engine.models.dense import GQAAttention
 from phases.harness import engine_config
 
 
@@ -17,7 +17,7 @@ def tiny_model(rank=0, size=1):
     (the whole model needs phases 06 and 07)."""
     cfg = engine_config()
     tp = TPGroup(rank=rank, size=size)
-    return cfg, nn.ModuleList(QwenAttention(cfg, tp) for _ in range(cfg.num_hidden_layers))
+    return cfg, nn.ModuleList(GQAAttention(cfg, tp) for _ in range(cfg.num_hidden_layers))
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

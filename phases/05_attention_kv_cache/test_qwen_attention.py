@@ -1,4 +1,4 @@
-"""QwenAttention over the paged KV cache against HF transformers' attention
+"""GQAAttention over the paged KV cache against HF transformers' attention
 with the same random weights: ragged prefill, decode steps, prefix-cached
 prefill, block sizes 16 and 256."""
 import pytest
@@ -8,7 +8,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
-from engine.models.qwen import QwenAttention, QwenForCausalLM
+from engine.models.dense import DenseForCausalLM, GQAAttention
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
@@ -33,8 +33,8 @@ def hf_attention_reference(attn, rotary, x):
 
 
 def make_engine_attention(arch, cfg, hf_attn, block_size, lengths):
-    ours = QwenAttention(engine_config(arch), TPGroup())
-    load_from_hf(ours, hf_attn, QwenForCausalLM.packed_modules)
+    ours = GQAAttention(engine_config(arch), TPGroup())
+    load_from_hf(ours, hf_attn, DenseForCausalLM.packed_modules)
     bind_kv_cache(ours, num_blocks_for(lengths, block_size), block_size, torch.float32, "cpu")
     return ours
 
@@ -78,7 +78,7 @@ def test_heads_per_rank_and_kv_replication(rank, size):
     """Q heads split evenly; KV heads split, or replicated (one per rank) when
     tp > num_kv_heads; K/V use the local KV-head count."""
     cfg = engine_config("Qwen3ForCausalLM")
-    attn = QwenAttention(cfg, TPGroup(rank=rank, size=size))
+    attn = GQAAttention(cfg, TPGroup(rank=rank, size=size))
     assert attn.attn.num_heads == cfg.num_attention_heads // size
     assert attn.attn.num_kv_heads == max(1, cfg.num_key_value_heads // size)
     q_out = attn.qkv_proj.weight.shape[0]
@@ -112,8 +112,8 @@ def test_rank_caches_its_own_kv_head(rank, size):
 
     arch = "Qwen3ForCausalLM"
     cfg, hf_attn, rotary = hf_attention(arch, seed=4)
-    ours = QwenAttention(engine_config(arch), TPGroup(rank=rank, size=size))
-    load_from_hf(ours, hf_attn, QwenForCausalLM.packed_modules)
+    ours = GQAAttention(engine_config(arch), TPGroup(rank=rank, size=size))
+    load_from_hf(ours, hf_attn, DenseForCausalLM.packed_modules)
     bind_kv_cache(ours, 1, 16, torch.float32, "cpu")
     n, d = 11, cfg.head_dim
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine.llm_engine import LLMEngine
-from engine.models.qwen import QwenForCausalLM
+from engine.models.dense import DenseForCausalLM
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
@@ -89,7 +89,7 @@ def test_routes_by_architecture(checkpoints, engines, tmp_path):
     """Qwen2 / Qwen3 (and the Qwen2-VL names) go to the Qwen runner with the right features;
     unknown architectures, broken directories and impossible lengths are clear errors."""
     q3, q2 = engines["Qwen3ForCausalLM"].runner.model, engines["Qwen2ForCausalLM"].runner.model
-    assert isinstance(q3, QwenForCausalLM) and isinstance(q2, QwenForCausalLM)
+    assert isinstance(q3, DenseForCausalLM) and isinstance(q2, DenseForCausalLM)
     assert q3.model.layers[0].self_attn.q_norm is not None and q2.model.layers[0].self_attn.q_norm is None
     assert q2.model.layers[0].self_attn.qkv_proj.bias is not None
 
@@ -309,7 +309,7 @@ def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greed
     with pytest.raises(ValueError, match="unsupported architecture 'Qwen3ForCausalLMExperimental'"):
         LLMEngine(path, **ENGINE_ARGS)
     forced = LLMEngine(path, inference_backend="qwen_tp", **ENGINE_ARGS)
-    assert type(forced.runner.model) is QwenForCausalLM
+    assert type(forced.runner.model) is DenseForCausalLM
     prompts = prompts_with_shared_prefix(seed=10)[:3]
     assert forced.generate_tokens(prompts, greedy) == engines["Qwen3ForCausalLM"].generate_tokens(prompts, greedy)
 
