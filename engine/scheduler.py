@@ -123,7 +123,7 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceOutput:
     """What one step gave one sequence: ``new_token_ids``, the last ``len(new_token_ids)`` of its
     ``output_token_ids`` (more than one after accepted drafts), and the ``finish_reason`` when
