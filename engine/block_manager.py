@@ -170,6 +170,10 @@ class BlockManager:
         self._drop_coming(chain, published, min(full, self._num_coming[seq.request_id]))
         self._num_published[seq.request_id] = full
 
+    def num_published(self, seq: Sequence) -> int:
+        """How many of ``seq``'s full blocks are published (findable by their prefix hash)."""
+        return self._num_published.get(seq.request_id, 0)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first; blocks reaching zero become free
         (keeping the hash they were published with, if any). Clears ``seq.block_table`` and

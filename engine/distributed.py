@@ -84,14 +84,15 @@ def _group(name: str) -> TPGroup:
     return _groups.get(name, TPGroup(name=name))
 
 
-@torch.library.custom_op("agent_infer::all_reduce_sum", mutates_args=())
-def all_reduce_sum(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
-    """Sum of ``x`` over the group named ``group`` ("tp" or "ep"), as a new contiguous
-    tensor (same shape, dtype, device).
+# all_reduce_sum is a registered op, so torch.compile treats it as opaque. It is defined through
+# torch.library.Library rather than the torch.library.custom_op decorator: a custom_op's first call
+# imports torch._dynamo (2-4 s of CPU in every process that runs a model, every torchrun rank), and
+# each call goes through its Python wrappers.
+_LIBRARY = torch.library.Library("agent_infer", "DEF")
+_LIBRARY.define("all_reduce_sum(Tensor x, str group='tp') -> Tensor")
 
-    Uses the custom all-reduce (TP group only) when initialised and the message
-    fits, else NCCL/gloo. Registered as a custom op so torch.compile treats it as opaque.
-    """
+
+def _all_reduce_sum(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
     g = _group(group)
     if g.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
@@ -104,9 +105,18 @@ def all_reduce_sum(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
     return out
 
 
-@all_reduce_sum.register_fake
+_LIBRARY.impl("all_reduce_sum", _all_reduce_sum, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("agent_infer::all_reduce_sum", lib=_LIBRARY)
 def _(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+all_reduce_sum = torch.ops.agent_infer.all_reduce_sum
+all_reduce_sum.__doc__ = """``all_reduce_sum(x, group="tp")``: the sum of ``x`` over the group named ``group`` ("tp" or
+"ep"), as a new contiguous tensor (same shape, dtype, device). Uses the custom all-reduce (TP
+group only) when initialised and the message fits, else NCCL/gloo."""
 
 
 def all_gather_last_dim(x: torch.Tensor, group: str = "tp") -> torch.Tensor:

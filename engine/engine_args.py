@@ -1,15 +1,18 @@
-"""Engine options in one place: the fields of ``LLMEngine``, their command-line flags and help.
+"""Engine options in one place: what a caller may give ``LLMEngine``, the command-line flags and help.
 
 ``EngineArgs.add_cli_args(parser)`` adds the "engine" option group every command that loads a
 model shares (``generate``, ``serve``, ``bench``), ``EngineArgs.from_cli_args(args)`` reads it
-back, ``build()`` makes the engine, and ``to_cli_args()`` turns the options that differ from the
-defaults back into flags (what ``bench serve --launch`` passes to the server it starts).
+back, ``create_engine_config()`` resolves every default into a frozen ``EngineConfig``
+(``engine.engine_config``), ``build()`` makes the engine from it, and ``to_cli_args()`` turns the
+options that differ from the defaults back into flags (what ``bench serve --launch`` passes to
+the server it starts). Fields without a flag are options of the Python API only.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields
 
+from engine.engine_config import EngineConfig, resolve
 from engine.scheduler import ADMISSION_POLICIES
 from engine.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
@@ -61,11 +64,17 @@ class EngineArgs:
                                      "(default 2)", type=int)
     prompt_lookup_max: int = _option(4, "--prompt-lookup-max", "longest suffix the n-gram drafter looks up, tried "
                                      "first (default 4)", type=int)
+    reserve_bytes: int = field(default=2 << 30, metadata={"help": "device memory the KV cache leaves free"})
+    progress: bool | None = field(default=None, metadata={"help": "a loading bar (default: on a terminal, rank 0)"})
+
+    @classmethod
+    def _flagged(cls):
+        return [f for f in fields(cls) if "flag" in f.metadata]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("engine")
-        for f in fields(cls):
+        for f in cls._flagged():
             meta = dict(f.metadata)
             flag, help = meta.pop("flag"), meta.pop("help")
             if isinstance(f.default, bool):
@@ -74,26 +83,23 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f.name) for f in cls._flagged()})
 
     def to_cli_args(self) -> list[str]:
         """The flags that give these options (those left at their default are omitted)."""
         flags = []
-        for f in fields(self):
+        for f in self._flagged():
             value = getattr(self, f.name)
             if value == f.default:
                 continue
             flags += [f.metadata["flag"]] if isinstance(f.default, bool) else [f.metadata["flag"], str(value)]
         return flags
 
+    def create_engine_config(self) -> EngineConfig:
+        """These options with every default decided and every value checked."""
+        return resolve(self)
+
     def build(self):
         from engine.llm_engine import LLMEngine
 
-        return LLMEngine(self.model, inference_backend=self.backend, block_size=self.block_size,
-                         mem_utilization=self.mem_utilization, max_num_seqs=self.max_num_seqs,
-                         max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                         dtype=self.dtype, device=self.device, enable_prefix_caching=self.enable_prefix_caching,
-                         enforce_eager=self.enforce_eager, custom_all_reduce=self.custom_all_reduce,
-                         admission=self.admission, overlap=self.overlap, quantization=self.quantization,
-                         speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-                         prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        return LLMEngine(self.create_engine_config())

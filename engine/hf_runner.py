@@ -1,12 +1,12 @@
 """The ``hf`` backend: transformers' ``AutoModelForCausalLM`` under our scheduler and sampler.
 
-The seed's RealModelRunner fallback, for a model our own runners do not cover
-or to cross-check them: no paged KV cache (each sequence keeps transformers'
-own cache, and runs alone), the same Sequence / Scheduler / Sampler / engine
-loop. Single process only.
+A fallback for a model our own runners do not cover, or to cross-check them: no paged KV
+cache (each sequence keeps transformers' own cache, and runs alone), the same Sequence /
+Scheduler / Sampler / engine loop. Single process only.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from engine.sequence import Sequence
 
 
 class HFModelRunner:
-    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``,
+    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``, ``held``,
     ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``).
 
     Each step feeds a sequence its scheduled tokens (a whole prompt, a prefill chunk, or the
@@ -40,14 +40,14 @@ class HFModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.device, self.dtype = device, dtype
         self.weight_bytes = unique_parameter_bytes(self.model)
-        self.num_blocks = max_num_seqs * -(-max_model_len // block_size)
+        self.num_blocks = max_num_seqs * math.ceil(max_model_len / block_size)
         self.kv_cache_bytes = 0
         self.sampler = Sampler(tp)
         self._caches: dict[str, object] = {}
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        rows = []
+        logits = []
         for seq, start, num in zip(batch.seqs, batch.starts, batch.num_tokens):
             if start + num > seq.num_known_tokens:
                 raise RuntimeError("the hf backend runs without overlap: every input token must be known")
@@ -55,8 +55,8 @@ class HFModelRunner:
             out = self.model(input_ids=torch.tensor([ids], device=self.device),
                              past_key_values=self._caches[seq.request_id] if start else None, use_cache=True)
             self._caches[seq.request_id] = out.past_key_values
-            rows.append(out.logits[0, -1])
-        return LaunchedStep(batch, self._sample(torch.stack(rows), batch))
+            logits.append(out.logits[0, -1])
+        return LaunchedStep(batch, self._sample(torch.stack(logits), batch))
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         params = [s.sampling_params for s in batch.seqs]
@@ -64,11 +64,17 @@ class HFModelRunner:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        steps = [start + n - s.num_prompt_tokens for s, start, n in zip(batch.seqs, batch.starts, batch.num_tokens)]
+        output_indices = [start + n - s.num_prompt_tokens
+                          for s, start, n in zip(batch.seqs, batch.starts, batch.num_tokens)]
         return self.sampler(logits, column([p.temperature for p in params], torch.float32),
                             column([p.top_k for p in params], torch.int64),
                             column([p.top_p for p in params], torch.float32),
-                            column([s.seed for s in batch.seqs], torch.int64), column(steps, torch.int64))
+                            column([s.seed for s in batch.seqs], torch.int64), column(output_indices, torch.int64))
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)
+
+    @property
+    def held(self) -> list[str]:
+        """The request ids holding a transformers cache."""
+        return list(self._caches)

@@ -1,83 +1,35 @@
-"""LLMEngine: the seed's API over the scheduler, a model runner and a tokenizer.
+"""LLMEngine: requests in, outputs out, over a scheduler, a model runner and an output processor.
 
-``generate`` for simple use; ``add_request`` / ``step`` / ``abort_request`` for a
-server loop; ``begin_generation`` / ``has_unfinished_requests`` /
-``get_generation_outputs`` as the seed names them; ``generate_tokens`` for
-token-level use. Under torchrun every rank runs the same engine loop on the
-same requests: only rank 0 samples and broadcasts, so every rank schedules the
-same steps. Request ids are counters, identical on every rank.
+``add_request`` / ``step`` / ``abort_request`` / ``request_output`` / ``pop_request`` drive a
+loop (the server's); ``generate`` (text) and ``generate_tokens`` (token ids) run prompts to the
+end; ``begin_generation`` / ``has_unfinished_requests`` / ``get_generation_outputs`` queue
+prompts and read their texts. A step is: the scheduler picks the batch, the runner launches it,
+the previous launch is read back (``postprocess``): the scheduler appends its tokens and the
+output processor turns them into each request's output. Under torchrun every rank runs the same
+engine loop on the same requests: only rank 0 samples and broadcasts, so every rank schedules
+the same steps. Request ids are counters, identical on every rank.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import logging
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
+from engine.engine_args import EngineArgs
+from engine.engine_config import EngineConfig
 from engine.hf_runner import HFModelRunner
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.qwen import QwenForCausalLM
-from engine.models.registry import MODEL_CLASSES, default_dtype
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, RequestOutput
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SequenceStatus
-from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
+from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
-FORCED_CLASSES = {"qwen_tp": QwenForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
-BACKENDS = ("tp", *FORCED_CLASSES, "hf")
-
-
-@dataclass
-class RequestOutput:
-    """A request's state: ``text`` and ``token_ids`` are the output so far. ``finish_reason`` is
-    None while it runs, else "stop", "length", "abort", "error" or "rejected" (``reject_reason``
-    says why). ``logprobs`` (when the request asked for them): per output token, (its id, its
-    logprob, the [(token id, logprob)] of the most likely tokens). Speculative decoding: the
-    tokens drafted for it and verified (``num_draft_tokens``) and those accepted
-    (``num_accepted_tokens``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    reject_reason: str | None = None
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-def _model_class(config: ModelConfig, backend: str) -> type | None:
-    """The model class for ``backend`` (None for "hf"): "tp" routes by ``architectures[0]``;
-    "qwen_tp" / "deepseek_tp" force that family's runner (an architecture the registry maps into
-    the family keeps its own class, e.g. Qwen2-VL's text-only variant)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"inference_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "hf":
-        return None
-    known = MODEL_CLASSES.get(config.architecture)
-    if backend == "tp":
-        if known is None:
-            raise ValueError(f"unsupported architecture {config.architecture!r} in config.json; supported: "
-                             f"{', '.join(sorted(MODEL_CLASSES))} (or inference_backend='hf', 'qwen_tp', "
-                             f"'deepseek_tp')")
-        return known
-    forced = FORCED_CLASSES[backend]
-    return known if known is not None and issubclass(known, forced) else forced
 
 
 def _generation_config(model_dir: Path) -> dict:
@@ -118,142 +70,91 @@ def _load_tokenizer(model_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
-@dataclass
-class RequestUpdate:
-    """A request's progress since a reader last looked (``LLMEngine.request_update``): the text
-    from the reader's character offset on and the text's length now, the output token count,
-    the logprobs of the output tokens from the reader's index on, the finish state, and the
-    drafted and accepted token counts so far (speculative decoding)."""
-
-    text: str
-    text_length: int
-    num_tokens: int
-    logprobs: list
-    finished: bool
-    finish_reason: str | None = None
-    reject_reason: str | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
 class LLMEngine:
-    """Loads ``model_dir`` (default: the demo model shipped in ``engine/default_model``) and
-    serves requests through continuous batching.
+    """Serves requests through continuous batching, built from a resolved ``EngineConfig``:
+    ``LLMEngine(config)``, or ``LLMEngine(model_dir, **options)``, which resolves
+    ``EngineArgs(model=model_dir, backend=inference_backend, **options)`` first (no ``model_dir``:
+    the demo model shipped in ``engine/default_model``). The options and their defaults are
+    ``EngineArgs``'s fields; ``EngineConfig``'s sections say how each default is decided.
 
     ``inference_backend``: "tp" routes by ``config.json`` ``architectures[0]``; "qwen_tp" /
-    "deepseek_tp" force a runner; "hf" runs transformers' model under our scheduler.
-    ``max_model_len`` defaults to the model's ``max_position_embeddings``; ``max_num_seqs``
-    to 256 on CUDA and 16 on CPU; ``dtype`` to float32 on CPU, else the checkpoint's half
-    dtype (bfloat16 if none); ``device`` to ``cuda:LOCAL_RANK`` when CUDA is present.
-    ``admission``: "watermark" (default) admits a request when its prompt fits, preempting (and
-    later recomputing) the newest running requests when the cache runs out; "reserve" admits
-    one only when its worst case fits beside the running ones' and never preempts. A prompt
-    longer than ``max_num_batched_tokens`` is prefilled in chunks over several steps.
-    On CUDA, decode replays CUDA graphs unless ``enforce_eager``. Under TP on CUDA the
-    all-reduce uses the custom (symmetric-memory) path for small messages unless
-    ``custom_all_reduce=False`` (NCCL only).
-    ``overlap`` (default True; the hf backend and speculative decoding always run without):
-    each ``step`` launches the next batch before it reads back the batch the previous ``step``
-    launched, so the host schedules, stages and postprocesses while the device computes; False
-    runs every step to the end before returning (the synchronous loop, same tokens).
-    ``speculative="ngram"`` (default None: off): each decode may carry up to
-    ``num_speculative_tokens`` tokens drafted by prompt lookup (an n-gram of
-    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens; ``engine.speculative``), verified
-    in the same forward; the tokens equal those of plain decoding (greedy and seeded sampling
-    alike), several per step where the drafts hold. The drafts need every token on the host, so
-    the steps are synchronous (``overlap`` is turned off, with a log line).
-    ``quantization="fp8"`` quantizes a float checkpoint's linear weights at load (FP8 checkpoints
-    are read in their own format whatever it says).
+    "deepseek_tp" force a family; "hf" runs transformers' model under our scheduler (always
+    synchronous). With ``overlap`` (the default) each ``step`` launches the next batch before it
+    reads back the batch the previous ``step`` launched, so the host schedules, stages and
+    postprocesses while the device computes; the tokens are those of synchronous steps.
+    ``speculative="ngram"`` drafts tokens by prompt lookup and verifies them in the decode step
+    (``engine.speculative``), giving plain decoding's tokens; its drafts need every token on the
+    host, so its steps are synchronous (overlap is turned off, with a log line).
+
+    ``engine_config`` is the resolved config; ``config`` the checkpoint's ``ModelConfig``.
     """
 
-    def __init__(self, model_dir: str | Path | None = None, inference_backend: str = "tp", block_size: int = 16,
-                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False, progress: bool | None = None,
-                 custom_all_reduce: bool = True, admission: str = "watermark", overlap: bool = True,
-                 speculative: str | None = None, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 4, quantization: str | None = None):
-        model_dir = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
-        self.config = config = ModelConfig.from_model_dir(model_dir, quantization)
-        model_class = _model_class(config, inference_backend)
-        if speculative not in (None, *SPECULATIVE_METHODS):
-            raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {speculative!r}")
-        if speculative is not None and model_class is None:
-            raise ValueError("speculative decoding needs our own runner: the hf backend verifies no drafts")
-        drafter = NgramDrafter(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) if speculative else None
-        self.tokenizer = _load_tokenizer(model_dir)
-        if max_model_len is None:
-            max_model_len = config.max_position_embeddings
-        elif not 0 < max_model_len <= config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} must be in [1, {config.max_position_embeddings}] "
-                             f"(the model's max_position_embeddings)")
-        self.tp = init_tp_distributed()
-        if device is None:
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError("dtype must be one of float32, float16, bfloat16")
-        dtype = dtype or default_dtype(config, device)
-        if custom_all_reduce:
-            init_custom_all_reduce(device)  # a no-op for one rank or a CPU device
-        if max_num_seqs is None:
-            max_num_seqs = 256 if device.type == "cuda" else 16
-        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
-        if progress is None:
-            progress = sys.stderr.isatty() and self.tp.rank == 0
-        generation_config = _generation_config(model_dir)
-        self.eos_token_ids = _eos_token_ids(generation_config, config, self.tokenizer)
-        self.sampling_defaults = _sampling_defaults(generation_config)
-        if model_class is None:
-            enable_prefix_caching = False  # each sequence runs its whole prompt in transformers' own cache
-            self.runner = HFModelRunner(model_dir, device, dtype, self.tp, block_size, max_num_seqs, max_model_len)
+    def __init__(self, model_dir: str | Path | EngineConfig | None = None, inference_backend: str = "tp",
+                 **options):
+        if isinstance(model_dir, EngineConfig):
+            if options or inference_backend != "tp":
+                raise TypeError("LLMEngine(config) takes no other options: they are the config's")
+            engine_config = model_dir
         else:
-            cuda_graphs = device.type == "cuda" and not enforce_eager
-            self.runner = ModelRunner(model_dir, config, device, dtype, self.tp, block_size, max_num_seqs,
-                                      max_model_len, mem_utilization, reserve_bytes, progress, cuda_graphs, model_class,
-                                      self.eos_token_ids, drafter.num_speculative_tokens if drafter else 0)
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.eos_token_ids, admission, drafter=drafter)
-        self.model_dir, self.device, self.dtype, self.max_model_len = model_dir, device, dtype, max_model_len
-        if overlap and drafter is not None:
+            engine_config = EngineArgs(model=model_dir, backend=inference_backend, **options).create_engine_config()
+        self.engine_config = c = engine_config
+        self.config, self.model_dir, self.dtype = c.model.config, c.model.model_dir, c.model.dtype
+        self.device, self.overlap = c.parallel.device, c.scheduler.overlap
+        self.max_model_len = c.scheduler.max_model_len
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tp = init_tp_distributed()
+        if c.parallel.custom_all_reduce:
+            init_custom_all_reduce(self.device)  # a no-op for one rank or a CPU device
+        generation_config = _generation_config(self.model_dir)
+        self.eos_token_ids = _eos_token_ids(generation_config, self.config, self.tokenizer)
+        self.sampling_defaults = _sampling_defaults(generation_config)
+        drafter = c.speculative.drafter()
+        if drafter is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
                      "overlap is off")
-        self.overlap = overlap and model_class is not None and drafter is None
-        self._in_flight: LaunchedStep | None = None
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._requests: dict[str, Sequence] = {}
-        self._finished_unreported: list[str] = []
+        self.runner = self._build_runner(drafter.num_speculative_tokens if drafter else 0)
+        self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids, c.scheduler.admission, drafter=drafter,
+                                   on_free=self.runner.release)
+        self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
+        self._in_flight: LaunchedStep | None = None  # launched by the last step(), not read back yet
         self._ids = itertools.count()
         self._generation: list[str] = []
         self.num_steps = 0
         self.host_seconds = 0.0  # time step() spent on the host, waits for the device excluded
-        self.num_prompt_tokens = self.num_generation_tokens = 0  # of the requests admitted; tokens read back
+        self.num_prompt_tokens = 0  # of the requests admitted
         if self.tp.rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
 
+    def _build_runner(self, max_draft_tokens: int) -> ModelRunner | HFModelRunner:
+        c = self.engine_config
+        sched, cache = c.scheduler, c.cache
+        if c.model.model_class is None:
+            return HFModelRunner(self.model_dir, self.device, self.dtype, self.tp, cache.block_size,
+                                 sched.max_num_seqs, sched.max_model_len)
+        return ModelRunner(self.model_dir, self.config, self.device, self.dtype, self.tp, cache.block_size,
+                           sched.max_num_seqs, sched.max_model_len, cache.mem_utilization, cache.reserve_bytes,
+                           c.progress, c.parallel.cuda_graphs, c.model.model_class, self.eos_token_ids,
+                           max_draft_tokens)
+
     def summary(self) -> str:
-        r = self.runner
-        kv_tokens = r.num_blocks * self.block_manager.block_size
-        graphs = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
-        graphs += ", overlapped steps" if self.overlap else ", synchronous steps"
-        drafter = self.scheduler.drafter
-        if drafter is not None:
-            graphs += (f", n-gram speculation (k={drafter.num_speculative_tokens}, n={drafter.prompt_lookup_min}.."
-                       f"{drafter.prompt_lookup_max})")
+        """One line: the config's choices and what loading made of them."""
+        c, r = self.engine_config, self.runner
+        kv_tokens = r.num_blocks * c.cache.block_size
+        steps = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
+        steps += ", overlapped steps" if c.scheduler.overlap else ", synchronous steps"
+        spec = c.speculative
+        if spec.method is not None:
+            steps += (f", n-gram speculation (k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}.."
+                      f"{spec.prompt_lookup_max})")
         runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
         tp_detail = f" ({all_reduce_path()} all-reduce)" if self.tp.size > 1 else ""
-        return (f"agent-infer: {self.config.architecture} ({runner}) from {self.model_dir} | {self.dtype} on "
-                f"{self.device} | {graphs} | tp {self.tp.size}{tp_detail} | "
+        return (f"agent-infer: {self.config.architecture} ({runner}) from {c.model.model_dir} | {c.model.dtype} on "
+                f"{c.parallel.device} | {steps} | tp {self.tp.size}{tp_detail} | "
                 f"weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
                 f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
-                f"max_model_len {self.max_model_len} | loaded in {r.load_seconds:.1f} s")
+                f"max_model_len {c.scheduler.max_model_len} | loaded in {r.load_seconds:.1f} s")
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -275,17 +176,14 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         params = sampling_params or SamplingParams()
         self._check_params(params)
-        request_id = str(next(self._ids))
-        seq = Sequence(token_ids, params, request_id=request_id)
-        # text is read on rank 0; another rank needs it only to match stop strings (same decisions)
-        self.outputs.add(seq, detokenize and (self.tp.rank == 0 or bool(seq.sampling_params.stop)))
-        self._requests[request_id] = seq
-        if not self.scheduler.add(seq):
-            log.warning("request %s rejected: %s", request_id, seq.reject_reason)
-            self._finished_unreported.append(request_id)
-        else:
+        seq = Sequence(token_ids, params, request_id=str(next(self._ids)))
+        self.outputs.add(seq, detokenize)
+        if self.scheduler.add(seq):
             self.num_prompt_tokens += seq.num_prompt_tokens
-        return request_id
+        else:
+            log.warning("request %s rejected: %s", seq.request_id, seq.reject_reason)
+            self.outputs.finish(seq.request_id)
+        return seq.request_id
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids within this model's vocabulary, and the
@@ -296,7 +194,7 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ids in [0, {vocab}), got "
                              f"{list(params.stop_token_ids)}")
-        if isinstance(self.runner, HFModelRunner) and (params.penalized or params.min_tokens or
+        if self.engine_config.model.model_class is None and (params.penalized or params.min_tokens or
                                                        params.logprobs is not None):
             raise ValueError("the hf backend does not apply penalties or min_tokens and returns no logprobs")
 
@@ -305,42 +203,37 @@ class LLMEngine:
         after the step in flight that holds it). False for an unknown or finished request."""
         if not self.scheduler.abort(request_id):
             return False
-        self._release_freed()
-        self._finished_unreported.append(request_id)
+        self.outputs.finish(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def request_output(self, request_id: str) -> RequestOutput:
-        seq = self._requests[request_id]
-        rejected = seq.status is SequenceStatus.REJECTED
-        return RequestOutput(request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             self.outputs.text(request_id), seq.is_finished,
-                             "rejected" if rejected else seq.finish_reason, seq.reject_reason,
-                             self.outputs.logprobs(request_id), seq.num_draft_tokens, seq.num_accepted_tokens)
+    @property
+    def num_generation_tokens(self) -> int:
+        """Output tokens that reached a request's output so far."""
+        return self.outputs.num_generation_tokens
 
-    def request_progress(self, request_id: str) -> tuple[str, int, bool]:
-        """(text, output token count, finished) so far without copying the token ids: what a
-        streaming loop polls every step (``request_output`` once the request has finished)."""
-        seq = self._requests[request_id]
-        return self.outputs.text(request_id), len(seq.output_token_ids), seq.is_finished
+    def request_output(self, request_id: str, tokens_from: int = 0, text_from: int = 0) -> RequestOutput:
+        """The request's output so far (``OutputProcessor.output``): whole, or its token ids and
+        logprobs from output index ``tokens_from`` on and its text from character ``text_from`` on,
+        which is what a streaming loop reads after each step. A running request's text stops
+        short of what could still become a stop string."""
+        return self.outputs.output(request_id, tokens_from, text_from)
 
-    def request_update(self, request_id: str, text_from: int = 0, logprobs_from: int = 0) -> RequestUpdate:
-        """What a streaming loop reads after each step, copying nothing it already has."""
-        seq = self._requests[request_id]
-        text, length = self.outputs.text_from(request_id, text_from)
-        reason = "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason
-        logprobs = self.outputs.logprobs_from(request_id, logprobs_from)
-        return RequestUpdate(text, length, len(seq.output_token_ids), logprobs, seq.is_finished, reason,
-                             seq.reject_reason, seq.num_draft_tokens, seq.num_accepted_tokens)
+    def request_ids(self) -> list[str]:
+        """The requests the engine holds: unfinished, or finished and not popped."""
+        return self.outputs.request_ids()
+
+    def sequence(self, request_id: str) -> Sequence:
+        """The request's ``Sequence`` as the scheduler keeps it (read only: tests and tools inspect it)."""
+        return self.outputs.sequence(request_id)
 
     def pop_request(self, request_id: str) -> RequestOutput:
         """A finished request's output, forgotten by the engine."""
         output = self.request_output(request_id)
         if not output.finished:
             raise ValueError(f"request {request_id} is not finished")
-        del self._requests[request_id]
         self.outputs.remove(request_id)
         return output
 
@@ -359,69 +252,46 @@ class LLMEngine:
         start, waited = time.perf_counter(), 0.0
         try:
             if self._in_flight is not None and self.scheduler.needs_drain:
-                waited += self._postprocess(self._take_in_flight())
+                waited += self.postprocess(self._take_in_flight())
             batch = self.scheduler.schedule()
-            self._release_freed()  # preempted sequences
             previous = self._in_flight
             self._in_flight = self.runner.launch(batch, previous) if batch.seqs else None
             self.num_steps += bool(batch.seqs)
             if previous is not None:
-                waited += self._postprocess(previous)
+                waited += self.postprocess(previous)
             if self._in_flight is not None and not (self.overlap and self.scheduler.has_unfinished()):
-                waited += self._postprocess(self._take_in_flight())
-        except Exception:
+                waited += self.postprocess(self._take_in_flight())
+        except Exception as e:
             self._in_flight = None
-            self._finished_unreported += [seq.request_id for seq in self.scheduler.fail_in_flight()]
-            self._release_freed()
+            for seq in self.scheduler.fail_in_flight():
+                self.outputs.finish(seq.request_id, f"the engine failed on this request: {type(e).__name__}: {e}")
             raise
         finally:
             self.host_seconds += time.perf_counter() - start - waited
         if not batch.seqs and previous is None and self.scheduler.has_unfinished() and not self.scheduler.running:
-            for seq in list(self.scheduler.waiting):  # nothing runs and nothing fits: never wait forever
-                self.scheduler.finish(seq.request_id, "rejected")
-                seq.reject_reason = "could not be scheduled on an idle engine"
-                self._finished_unreported.append(seq.request_id)
-            self._release_freed()
-        done, self._finished_unreported = self._finished_unreported, []
-        return [self.request_output(rid) for rid in done if rid in self._requests]  # popped: forgotten
+            # nothing runs and nothing fits: never wait forever
+            for seq in self.scheduler.reject_waiting("could not be scheduled on an idle engine"):
+                self.outputs.finish(seq.request_id)
+        return self.outputs.take_finished()
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
         return launched
 
-    def _postprocess(self, launched: LaunchedStep) -> float:
-        """Read back a launched step's tokens and hand them to the scheduler; detokenise the
-        new ones (a matched stop string ends its request). Returns the seconds spent waiting."""
+    def postprocess(self, launched: LaunchedStep) -> float:
+        """The second half of a step: read back a launched step's tokens and hand them to the
+        scheduler, then its outputs to the output processor, ending the requests a stop string (or
+        undecodable text) ended. Returns the seconds spent waiting for the device. ``step`` calls
+        it; a test that schedules and launches a batch by hand completes it here."""
         start = time.perf_counter()
         token_ids = launched.token_ids()
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
-        self._finished_unreported += [seq.request_id for seq in result.finished]
-        logprobs = launched.logprobs()
-        if logprobs:
-            appended = {id(seq) for seq in result.appended}
-            for entry, item in logprobs.items():
-                seq = launched.batch.seqs[entry]
-                if id(seq) in appended:
-                    self.outputs.add_logprobs(seq.request_id, (seq.output_token_ids[-1], *item))
-        known = [len(seq.output_token_ids) - n for seq, n in zip(result.appended, result.num_new)]
-        stopped, failed = self.outputs.process(result.appended, result.num_new)
-        # tokens a stop string cut from an accepted run of drafts never count
-        self.num_generation_tokens += sum(len(seq.output_token_ids) for seq in result.appended) - sum(known)
-        for seq, reason in [(seq, "stop") for seq in stopped] + [(seq, "error") for seq in failed]:
-            if self.scheduler.finish(seq.request_id, reason):
-                self._finished_unreported.append(seq.request_id)
-            else:  # already finished this step (its text could not be flushed)
-                seq.finish_reason = reason
-        self._release_freed()
+        for request_id, reason in self.outputs.process_outputs(result.outputs, launched.logprobs()):
+            self.scheduler.finish(request_id, reason)
         return waited
 
-    def _release_freed(self) -> None:
-        """Drop the runner state of every sequence whose blocks the scheduler freed."""
-        for seq in self.scheduler.take_freed():
-            self.runner.release(seq)
-
-    # ---- the seed's convenience API ------------------------------------------------------------
+    # ---- whole prompts to the end --------------------------------------------------------------
 
     def begin_generation(self, prompts: str | list[str], sampling_params: SamplingParams | None = None,
                          **sampling) -> list[str]:
@@ -433,7 +303,7 @@ class LLMEngine:
 
     def get_generation_outputs(self) -> list[str]:
         """The texts of the last ``begin_generation``'s prompts, in order ("" for rejected ones)."""
-        return [self.outputs.text(rid) for rid in self._generation]
+        return [self.request_output(rid).text for rid in self._generation]
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, stop: str | list[str] | None = None, seed: int | None = None,
@@ -458,7 +328,7 @@ class LLMEngine:
         """Step until every request has finished; the caller collects the outputs itself."""
         while self.has_unfinished_requests():
             self.step()
-        self._finished_unreported.clear()
+        self.outputs.take_finished()
 
 
 def _sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

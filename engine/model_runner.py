@@ -1,48 +1,46 @@
-"""ModelRunner: one scheduled batch -> one forward -> one sampled token per sequence, launched
+"""ModelRunner: one scheduled batch -> one forward -> one sampled token per logits row, launched
 without waiting for the device.
 
-The runner owns the model, its KV pool and the step metadata on the device.
-Each running sequence owns a row of a persistent device block table (written
-only where its block table grew since the last step) and of the sampling
-columns (temperature, top-p, top-k, seed; written once when it gets the row).
-A step's host inputs are built with a few vectorised torch ops and reach the
-device in one copy (pinned, non-blocking on CUDA); no Python loop runs over
-tokens. ``launch`` queues the forward and the sampling and returns a
-``LaunchedStep`` whose ids reach the host through a non-blocking copy; a
-token the previous step sampled (still pending on the host) is fed to this
-step on the device, from that step's ids.
+The runner owns the model, its KV pool and the step metadata on the device. Each running
+sequence holds a row of the device block tables (``BlockTables``: written only where its block
+table changed since the last step) and of the sampling columns (``SamplingRows``: temperature,
+top-p, top-k, seed; written once, when it gets the row): its ``table_row``. A step is built once,
+by ``prepare``, into a ``ForwardBatch`` (named device tensors) with a few vectorised torch ops
+and one host -> device copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
+``forward`` runs it; ``launch`` queues both and the sampling and returns a ``LaunchedStep`` whose
+ids reach the host through a non-blocking copy. A token the previous step sampled (still pending
+on the host) is fed to this step on the device, from that step's ids.
 
-A step whose tokens are all decode rows is a decode: each sequence computes one
-token, or, speculating, its last token and the tokens drafted after it (a verify
-entry: one decode row per token, each at its own position and context length,
-so row j attends to the positions up to its own and never to a later draft).
-Its inputs land in static device buffers, and with ``cuda_graphs`` (CUDA; any TP
-size, every rank capturing the same sizes) it replays a CUDA graph captured once
-per row count of a ladder up to ``max_num_seqs x (1 + max_draft_tokens)`` (so one
-graph serves every mix of batch size and draft lengths with that many rows): a
-step is padded to the next captured size with rows that attend to one token of
-block 0 (whatever it holds; their output is dropped) and write nowhere (slot -1).
-Any other step is mixed and eager: decode rows first (paged decode attention),
-then prefill chunks (varlen attention over any cached prefix). Sampling runs
-after the forward, on one logits row per entry (its last token) and then one per
-drafted token. Nothing above the runner sees a tensor; nothing below it sees a
-Sequence.
+A step whose tokens are all decode tokens is a decode: each sequence computes one token, or,
+speculating, its last token and the tokens drafted after it (a verify entry: one decode token
+per position, each with its own context length, so the token of draft j attends to the
+positions up to its own and never to a later draft). Its inputs land in static device buffers
+(``DecodeInputs``), and with ``cuda_graphs`` (CUDA; any TP size, every rank capturing the same
+sizes) it replays a CUDA graph captured once per decode-token count of a ladder up to
+``max_num_seqs x (1 + max_draft_tokens)`` (one graph serves every mix of batch size and draft
+lengths with that many tokens): a step is padded to the next captured size with tokens that
+attend to one token of block 0 (whatever it holds; their output is dropped) and write nowhere
+(slot -1). Any other step is mixed and eager: decode tokens first (paged decode attention), then
+prefill chunks (varlen attention over any cached prefix). Sampling runs after the forward, on one
+logits row per entry (its last token) and then one per drafted token. Nothing above the runner
+sees a tensor; nothing below it sees a Sequence.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.attention_context import AttentionContext, reset_context, set_context
+from engine.attention_context import AttentionContext, forward_context
+from engine.block_tables import BlockTables
 from engine.config import ModelConfig
 from engine.distributed import TPGroup, broadcast_object
+from engine.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
 from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.layers.sampler import Sampler
 from engine.loader import load_checkpoint
@@ -50,10 +48,6 @@ from engine.models.registry import build_model
 from engine.sampling_rows import SamplingPlan, SamplingRows, StepLogprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.staging import to_device
-
-# rows of the decode staging buffer and of ``decode_inputs`` (the graphs read the first three)
-IDS, POSITIONS, ROWS, STEPS, MOVE_TO, MOVE_FROM, SAMPLED = range(7)
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
@@ -66,24 +60,24 @@ def unique_parameter_bytes(model: nn.Module) -> int:
 
 
 class LaunchedStep:
-    """A batch whose forward and sampling are queued on the device. ``sampled``: int64
-    ``[batch.num_rows]`` on the device, one id per batch entry (meaningless for an entry that
-    does not sample), then one per drafted token (the token sampled after it), and
-    the logprobs of the entries that asked for them. On CUDA both start towards pinned host
-    memory at once (non-blocking, an event records the copies); ``token_ids()`` and
-    ``logprobs()`` wait for them."""
+    """A batch whose forward and sampling are queued on the device. ``sampled_ids``: int64
+    ``[batch.num_logits_rows]`` on the device, one id per batch entry (meaningless for an entry
+    that does not sample), then one per drafted token (the token sampled after it), and the
+    logprobs of the requests that asked for them. On CUDA both start towards pinned host memory at
+    once (non-blocking, an event records the copies); ``token_ids()`` and ``logprobs()`` wait for
+    them."""
 
-    def __init__(self, batch: ScheduledBatch, sampled: torch.Tensor, logprobs: StepLogprobs | None = None):
-        self.batch, self.sampled, self._logprobs = batch, sampled, logprobs
+    def __init__(self, batch: ScheduledBatch, sampled_ids: torch.Tensor, logprobs: StepLogprobs | None = None):
+        self.batch, self.sampled_ids, self._logprobs = batch, sampled_ids, logprobs
         self._index_of: dict[str, int] | None = None
-        self._host, self._copied = [sampled], None
+        self._host, self._copied = [sampled_ids], None
         if logprobs is not None:
             self._host += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
-        if sampled.is_cuda:
+        if sampled_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                           for t in self._host]
             self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(sampled.device))
+            self._copied.record(torch.cuda.current_stream(sampled_ids.device))
 
     def _wait(self) -> None:
         if self._copied is not None:
@@ -94,16 +88,16 @@ class LaunchedStep:
         self._wait()
         return self._host[0].tolist()
 
-    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
-        """Entry -> (the sampled token's logprob, [(token id, logprob)] of the most likely tokens,
-        most likely first), for the entries that asked."""
+    def logprobs(self) -> dict[str, tuple[float, list[tuple[int, float]]]]:
+        """Request id -> (the sampled token's logprob, [(token id, logprob)] of the most likely
+        tokens, most likely first), for the requests that asked."""
         if self._logprobs is None:
             return {}
         self._wait()
         chosen, values, ids = (t.tolist() for t in self._host[1:])
-        n = {i: self.batch.seqs[i].sampling_params.logprobs for i in self._logprobs.entries}
-        return {entry: (c, list(zip(i[:n[entry]], v[:n[entry]])))
-                for entry, c, v, i in zip(self._logprobs.entries, chosen, values, ids)}
+        seqs = [self.batch.seqs[row] for row in self._logprobs.rows]  # an entry's logits row is its index
+        return {seq.request_id: (c, list(zip(i[:seq.sampling_params.logprobs], v[:seq.sampling_params.logprobs])))
+                for seq, c, v, i in zip(seqs, chosen, values, ids)}
 
     @property
     def index_of(self) -> dict[str, int]:
@@ -111,23 +105,6 @@ class LaunchedStep:
         if self._index_of is None:
             self._index_of = {seq.request_id: i for i, seq in enumerate(self.batch.seqs)}
         return self._index_of
-
-
-@dataclass
-class StepPlan:
-    """The host side of a step, per sampled row (each entry, then each drafted token): its
-    block-table / sampling ``rows``, its sampler ``steps`` (output index); the ``moves`` (entry,
-    index into the previous step's ids) of pending input tokens, and the ``sampling`` decided
-    from the rows' parameters."""
-
-    rows: list[int]
-    steps: list[int]
-    moves: list[tuple[int, int]]
-    sampling: SamplingPlan
-
-    @property
-    def sampled(self) -> list[int]:
-        return self.sampling.sampled
 
 
 class ModelRunner:
@@ -138,8 +115,9 @@ class ModelRunner:
     ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
 
     ``launch(batch, previous) -> LaunchedStep``: one token per batch entry and per drafted token,
-    queued (from any thread: the runner makes its device current). ``max_draft_tokens``: the most
-    tokens a verify entry drafts (speculative decoding; sizes the static decode buffers).
+    queued (from any thread: the runner makes its device current); ``prepare(batch, previous) ->
+    ForwardBatch`` and ``forward(step) -> logits`` are its two halves. ``max_draft_tokens``: the
+    most tokens a verify entry drafts (speculative decoding; sizes the static decode buffers).
     ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
     rows are reused.
     """
@@ -168,30 +146,21 @@ class ModelRunner:
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, dtype, device)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        # Rows of the block table and the sampling columns: a running sequence holds one until it is
-        # released, which for a finished one waits for the step in flight, so up to twice
-        # max_num_seqs are held; plus the padding row (all block 0) graph padding reads.
-        self.pad_row = 2 * max_num_seqs
-        self.block_tables = torch.zeros(self.pad_row + 1, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        max_rows = max_num_seqs * (1 + max_draft_tokens)  # decode rows (and sampled rows) of a decode step
-        self.sampling = SamplingRows(self.pad_row + 1, config.vocab_size, max_rows, device, Sampler(tp),
+        # A running sequence holds a table row until it is released, which for a finished one waits
+        # for the step in flight, so up to twice max_num_seqs rows are held.
+        self.tables = BlockTables(2 * max_num_seqs, self.max_blocks_per_seq, block_size, device, max_draft_tokens)
+        max_rows = max_num_seqs * (1 + max_draft_tokens)  # decode tokens (and logits rows) of a decode step
+        self.sampling = SamplingRows(self.tables.pad_row + 1, config.vocab_size, max_rows, device, Sampler(tp),
                                      eos_token_ids)
-        self._row_of: dict[str, int] = {}
-        self._tables_on_device: dict[str, list[int]] = {}  # request id -> its block ids written to its row
-        # a verify step's blocks past the accepted tokens are freed and others taken later: the
-        # last blocks one draft can reach are compared with the table each step
-        self._retaken_blocks = -(-max_draft_tokens // block_size) + 1 if max_draft_tokens else 0
-        self._free_rows = list(range(self.pad_row - 1, -1, -1))
-        # static decode inputs (rows IDS..SAMPLED) and the gathered block tables
-        self.decode_inputs = torch.zeros(SAMPLED + 1, max_rows, dtype=torch.int64, device=device)
-        # two host staging buffers (pinned on CUDA), used in turn, and the events of their last copies
+        # the static decode inputs, two host staging copies (pinned on CUDA) used in turn with the events of
+        # their last copies, and the gathered block tables of the decode tokens
         cuda = device.type == "cuda"
-        self._decode_staging = [torch.zeros(SAMPLED + 1, max_rows, dtype=torch.int64, pin_memory=cuda)
-                                for _ in range(2)]
+        self.decode_inputs = DecodeInputs.zeros(max_rows, device)
+        self._decode_staging = [DecodeInputs.zeros(max_rows, pin_memory=cuda) for _ in range(2)]
         self._staging_copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staging_index = 0
         self.decode_tables = torch.zeros(max_rows, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode rows -> (graph, logits)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode tokens -> (graph, logits)
         self.graph_replays = 0
         if cuda_graphs:
             if device.type != "cuda":
@@ -213,233 +182,203 @@ class ModelRunner:
         the step launched before, whose sampled ids feed the tokens of ``batch`` the host does
         not know yet (required whenever ``batch`` holds such a token)."""
         with self._on_device():
-            plan = self.plan(batch, previous)
-            run = self._decode_step if batch.is_decode else self._mixed_step
-            logits, rows, steps, sampled = run(batch, plan, previous)
-            return LaunchedStep(batch, *self.sampling.sample(logits, batch, plan.sampling, rows, steps, sampled))
-
-    def plan(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> StepPlan:
-        """The step's host-side inputs; gives new sequences their rows (``_sync_rows``)."""
-        steps = [start + n - len(draft) - seq.num_prompt_tokens
-                 for seq, start, n, draft in zip(batch.seqs, batch.starts, batch.num_tokens, batch.drafts)]
-        rows = self._sync_rows(batch.seqs)
-        for i, position in zip(batch.draft_entries, _draft_tokens(batch)[1]):
-            rows.append(rows[i])  # a drafted token's row samples the token after it
-            steps.append(position + 1 - batch.seqs[i].num_prompt_tokens)
-        return StepPlan(rows, steps, self._pending_moves(batch, previous), self.sampling.plan(batch, steps))
-
-    def _forward(self, input_ids, positions, ctx: AttentionContext, last: torch.Tensor | None = None):
-        """Logits of the model under ``ctx`` (of the tokens at ``last`` when given, else every row)."""
-        set_context(ctx)
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            reset_context()
-        return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
+            step = self.prepare(batch, previous)
+            return LaunchedStep(batch, *self.sampling.sample(self.forward(step), step))
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished or preempted sequence's rows (no-op if it holds none); a preempted
-        sequence gets a fresh row, written from its new table, when it runs again."""
-        row = self._row_of.pop(seq.request_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-            del self._tables_on_device[seq.request_id]
+        """Forget a finished or preempted sequence's rows (no-op if it holds none)."""
+        self.tables.release(seq)
 
-    def _sync_rows(self, seqs: list[Sequence]) -> list[int]:
-        """Each sequence's row. A new sequence gets one, and its sampling parameters are written
-        into the row's sampling columns; every block appended since the last step, or changed since
-        (the blocks of rejected drafts are freed, and others taken for the next drafts), is written
-        into the device table: one copy of (row, column, block) triples, one index_put."""
-        rows, cols, blocks, new = [], [], [], []
-        for seq in seqs:
-            rid = seq.request_id
-            row = self._row_of.get(rid)
-            if row is None:
-                if not self._free_rows:
-                    raise RuntimeError(f"more sequences than block-table rows ({self.pad_row})")
-                row = self._row_of[rid] = self._free_rows.pop()
-                self._tables_on_device[rid] = []
-                new.append((row, seq))
-            written, table = self._tables_on_device[rid], seq.block_table
-            same = min(len(written), len(table))
-            for j in range(max(0, len(written) - self._retaken_blocks), same):
-                if table[j] != written[j]:
-                    same = j
-                    break
-            if len(table) > same:
-                rows.append([row] * (len(table) - same))
-                cols.append(range(same, len(table)))
-                blocks.append(table[same:])
-            written[same:] = table[same:]
-        if rows:
-            update = torch.tensor([list(chain.from_iterable(part)) for part in (rows, cols, blocks)], dtype=torch.int64)
-            update = to_device(update, self.device)
-            self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
+    @property
+    def held(self) -> list[str]:
+        """The request ids holding runner state (table and sampling rows)."""
+        return self.tables.held
+
+    def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
+                decode_size: int | None = None) -> ForwardBatch:
+        """The step's ``ForwardBatch``: new sequences get their table rows (and their sampling
+        parameters are written), the host-side sampling plan is decided, and the inputs reach the
+        device in one copy. A decode step is staged in the static decode buffers and replays the
+        graph of the next captured size when there is one; ``decode_size`` runs it eagerly as such a
+        graph does, padded to that many decode tokens over the whole table width."""
+        output_indices = [start + n - len(draft) - seq.num_prompt_tokens
+                          for seq, start, n, draft in zip(batch.seqs, batch.starts, batch.num_tokens, batch.drafts)]
+        table_rows, new = self.tables.sync(batch.seqs)
         if new:
             self.sampling.write(new)
-        return [self._row_of[s.request_id] for s in seqs]
+        for i, position in zip(batch.draft_entries, _draft_tokens(batch)[1]):
+            table_rows.append(table_rows[i])  # a drafted token's logits row samples the token after it
+            output_indices.append(position + 1 - batch.seqs[i].num_prompt_tokens)
+        moves = _pending_moves(batch, previous)
+        sampling = self.sampling.plan(batch, output_indices)
+        if batch.is_decode:
+            return self._prepare_decode(batch, table_rows, output_indices, moves, sampling, previous, decode_size)
+        return self._prepare_mixed(batch, table_rows, output_indices, moves, sampling, previous)
 
-    @staticmethod
-    def _pending_moves(batch: ScheduledBatch, previous: LaunchedStep | None) -> list[tuple[int, int]]:
-        """(entry, index into ``previous.sampled``) for every entry whose input token is pending
-        on the host: ``previous`` sampled it, so it is read from ``previous``'s ids on the device
-        (a pending token is always a one-token entry's input)."""
-        moves = [i for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)) if start >= seq.num_known_tokens]
-        if not moves:
-            return []
-        if previous is None:
-            raise RuntimeError("the batch feeds tokens the host does not know, but no previous step was given")
-        index = previous.index_of
-        return [(i, index[batch.seqs[i].request_id]) for i in moves]
-
-    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat cache slots (int64) of tokens at ``positions`` of the sequences in table ``rows``."""
-        blocks = self.block_tables[rows, positions // self.block_size].long()
-        return blocks * self.block_size + positions % self.block_size
-
-    def _decode_step(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
-        """A decode step through the static buffers: the graph of the next captured size, else the
-        eager forward with the block tables cut to the longest context. Returns (logits [R, V] of
-        its R decode rows, which are its sampled rows, rows, steps, sampled rows) on the device."""
-        n = size = len(plan.rows)
-        graph = None
-        if self.graphs and n <= max(self.graphs):
-            size = min(b for b in self.graphs if b >= n)
-            graph, graph_logits = self.graphs[size]
-        self._stage_decode(batch, plan, size, previous)
-        if graph is not None:
+    def forward(self, step: ForwardBatch) -> torch.Tensor:
+        """The logits [R, V] of the step's logits rows: its captured graph replayed, or the model run
+        eagerly under the step's attention context (a padded ``decode_size`` step: every row)."""
+        if step.graph_size is not None:
+            graph, logits = self.graphs[step.graph_size]
             graph.replay()
             self.graph_replays += 1
-            logits = graph_logits[:n]
+            return logits[:step.batch.num_logits_rows]
+        with forward_context(step.attention):
+            hidden = self.model(step.input_ids, step.positions)
+        if step.logits_indices is not None:
+            hidden = hidden.index_select(0, step.logits_indices)
+        return self.model.compute_logits(hidden)
+
+    def _prepare_decode(self, batch: ScheduledBatch, table_rows: list[int], output_indices: list[int],
+                        moves: list[tuple[int, int]], sampling: SamplingPlan, previous: LaunchedStep | None,
+                        decode_size: int | None) -> ForwardBatch:
+        """A decode step through the static buffers: the graph of the next captured size, else the
+        eager forward with the block tables cut to the longest context (``decode_size``: padded,
+        over the whole width)."""
+        n = size = len(table_rows)
+        graph_size = None
+        if decode_size is not None:
+            size = decode_size
+        elif self.graphs and n <= max(self.graphs):
+            size = graph_size = min(b for b in self.graphs if b >= n)
+        self._stage_decode(batch, table_rows, output_indices, moves, sampling.random_rows, size, previous)
+        staged = self.decode_inputs
+        if graph_size is not None:
+            input_ids, positions, attention = staged.input_ids[:size], staged.positions[:size], None
         else:
             longest = max(start + num for start, num in zip(batch.starts, batch.num_tokens))
-            logits = self._forward(*self._decode_inputs(n, -(-longest // self.block_size)))
-        staged = self.decode_inputs
-        return logits, staged[ROWS, :n], staged[STEPS, :n], staged[SAMPLED, :len(plan.sampled)]
+            width = self.max_blocks_per_seq if decode_size is not None else math.ceil(longest / self.block_size)
+            input_ids, positions, attention = self.decode_context(size, width)
+        return ForwardBatch(batch, input_ids, positions, attention, None, staged.table_rows[:n],
+                            staged.output_indices[:n], staged.random_rows[:len(sampling.random_rows)], sampling,
+                            graph_size)
 
-    def _stage_decode(self, batch: ScheduledBatch, plan: StepPlan, size: int, previous: LaunchedStep | None) -> None:
+    def _stage_decode(self, batch: ScheduledBatch, table_rows: list[int], output_indices: list[int],
+                      moves: list[tuple[int, int]], random_rows: list[int], size: int,
+                      previous: LaunchedStep | None) -> None:
         """Write the step into ``decode_inputs`` with one host -> device copy (from the staging
-        buffer not used by the previous step): token ids, positions, table rows and sampling steps
-        of its decode rows (each entry's last token, then its drafted tokens) in the first ``size``
-        columns (columns past the rows are padding: token 0 at position 0 of the padding row), the
-        pending-token moves and the sampled rows. Then the pending tokens are read from
-        ``previous``'s ids, on the device."""
-        n = len(plan.rows)
+        buffer not used by the previous step): token ids, positions, table rows and output indices
+        of its decode tokens (each entry's last token, then its drafted tokens) in the first ``size``
+        columns (columns past them are padding), the pending-token moves and the random rows. Then
+        the pending tokens are read from ``previous``'s ids, on the device."""
+        n = len(table_rows)
         self._staging_index ^= 1
         host, copied = self._decode_staging[self._staging_index], self._staging_copied[self._staging_index]
         if copied is not None:
             copied.synchronize()  # this buffer's copy of two steps ago has left it
-        moves, sampled = plan.moves, plan.sampled
         moved = {entry for entry, _ in moves}
-        host[IDS:ROWS, n:size] = 0
-        host[ROWS, n:size] = self.pad_row
+        host.pad(n, size, self.tables.pad_row)
         draft_ids, draft_positions = _draft_tokens(batch)
         ids = [0 if i in moved else _token_at(seq, start) for i, (seq, start) in enumerate(zip(batch.seqs,
                                                                                              batch.starts))]
-        host[IDS:MOVE_TO, :n] = torch.tensor([ids + draft_ids, batch.starts + draft_positions, plan.rows, plan.steps],
-                                             dtype=torch.int64).view(4, n)
+        host.write(n, input_ids=ids + draft_ids, positions=batch.starts + draft_positions, table_rows=table_rows,
+                   output_indices=output_indices)
         if moves:
-            host[MOVE_TO:SAMPLED, :len(moves)] = torch.tensor(moves, dtype=torch.int64).T
-        if sampled:
-            host[SAMPLED, :len(sampled)] = torch.tensor(sampled, dtype=torch.int64)
-        self.decode_inputs.copy_(host, non_blocking=True)  # whole buffer: a column slice is not contiguous
+            host.write(len(moves), move_to=[entry for entry, _ in moves], move_from=[src for _, src in moves])
+        if random_rows:
+            host.write(len(random_rows), random_rows=random_rows)
+        staged = self.decode_inputs
+        staged.buffer.copy_(host.buffer, non_blocking=True)  # whole buffer: a column slice is not contiguous
         if copied is not None:
             copied.record(torch.cuda.current_stream(self.device))
         if moves:
-            staged = self.decode_inputs
-            staged[IDS].index_put_((staged[MOVE_TO, :len(moves)],),
-                                   previous.sampled.index_select(0, staged[MOVE_FROM, :len(moves)]))
+            staged.input_ids.index_put_((staged.move_to[:len(moves)],),
+                                        previous.sampled_ids.index_select(0, staged.move_from[:len(moves)]))
 
-    def _decode_inputs(self, size: int, width: int):
-        """Device ops only (what a graph captures): the step's context from the staged inputs.
-        Padding rows (the padding row's table) write to slot -1 and attend to one token."""
-        input_ids, positions, rows = self.decode_inputs[:ROWS + 1, :size]
+    def decode_context(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """Device ops only (what a graph captures): the first ``size`` staged decode tokens' ids,
+        positions and attention context over ``width`` table columns, read from the static
+        buffers the last decode step was staged in. Padding tokens (the padding row's table) write
+        to slot -1 and attend to one token."""
+        staged = self.decode_inputs
+        input_ids, positions, table_rows = staged.input_ids[:size], staged.positions[:size], staged.table_rows[:size]
         tables = self.decode_tables[:size]
-        torch.index_select(self.block_tables, 0, rows, out=tables)
-        slots = torch.where(rows == self.pad_row, -1, self._slots(rows, positions))
-        ctx = AttentionContext(is_prefill=False, slot_mapping=slots, block_tables=tables[:, :width],
-                               context_lens=(positions + 1).to(torch.int32))
-        return input_ids, positions, ctx
+        torch.index_select(self.tables.data, 0, table_rows, out=tables)
+        slots = torch.where(table_rows == self.tables.pad_row, -1, self.tables.slots(table_rows, positions))
+        attention = AttentionContext(has_prefill=False, slot_mapping=slots, block_tables=tables[:, :width],
+                                     context_lens=(positions + 1).to(torch.int32))
+        return input_ids, positions, attention
 
-    def _mixed_step(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
-        """A step with prefill chunks: (logits [R, V] of its sampled rows, rows, steps, sampled
-        rows) on the device, the forward eager over ``prepare_mixed``'s inputs."""
-        input_ids, positions, ctx, last, rows, steps, sampled = self.prepare_mixed(batch, plan, previous)
-        return self._forward(input_ids, positions, ctx, last), rows, steps, sampled
-
-    def prepare_mixed(self, batch: ScheduledBatch, plan: StepPlan, previous: LaunchedStep | None):
-        """The device inputs of a mixed step, from one host -> device copy: (input_ids [T],
-        positions [T], context, the token of each sampled row [R], rows [R], steps [R], sampled
-        rows [S]).
-
-        Entry i runs ``num_tokens[i]`` tokens from ``starts[i]`` on. The leading entries whose
-        tokens are all sampled (decodes; speculating, their drafted tokens too) are the context's
-        decode rows (paged decode over their block-table rows): each entry's last token, then the
-        drafted tokens. The rest are prefill chunks (varlen attention; when any chunk has a
-        computed prefix, ``prefill_kv_slots`` lists the cache slots of every context token of
-        every chunk). The sampled rows are each entry's last token (in entry order), then each
-        drafted token. Pending input tokens are read from ``previous``'s ids on the device."""
-        seqs, starts, nums, moves = batch.seqs, batch.starts, batch.num_tokens, plan.moves
+    def _prepare_mixed(self, batch: ScheduledBatch, table_rows: list[int], output_indices: list[int],
+                       moves: list[tuple[int, int]], sampling: SamplingPlan,
+                       previous: LaunchedStep | None) -> ForwardBatch:
+        """A step with prefill chunks, from one host -> device copy. Entry i runs ``num_tokens[i]``
+        tokens from ``starts[i]`` on. The leading entries whose tokens are all sampled (decodes;
+        speculating, their drafted tokens too) give the context's decode tokens (paged decode over
+        their table rows): each entry's last token, then the drafted tokens. The rest are prefill
+        chunks (varlen attention; when any chunk has a computed prefix, ``prefill_kv_slots`` lists
+        the cache slots of every context token of every chunk). The logits rows are each entry's
+        last token (in entry order), then each drafted token. Pending input tokens are read from
+        ``previous``'s ids on the device."""
+        seqs, starts, nums = batch.seqs, batch.starts, batch.num_tokens
         num_decode = next((i for i, (n, d) in enumerate(zip(nums, batch.drafts)) if n != 1 + len(d)), len(nums))
         draft_ids, draft_positions = _draft_tokens(batch)
-        num_rows = num_decode + len(draft_ids)  # decode rows
+        num_decode_tokens = num_decode + len(draft_ids)
         moved = {entry for entry, _ in moves}
         decode_ids = [0 if i in moved else _token_at(seq, start)
                       for i, (seq, start) in enumerate(zip(seqs[:num_decode], starts))]
         prefill_ids = chain.from_iterable(_known_tokens(seq, start, n) for seq, start, n in
                                           zip(seqs[num_decode:], starts[num_decode:], nums[num_decode:]))
-        ids = torch.tensor(decode_ids + draft_ids + list(prefill_ids), dtype=torch.int64)
-        starts_p = torch.tensor(starts[num_decode:], dtype=torch.int64)
+        prefill_starts = torch.tensor(starts[num_decode:], dtype=torch.int64)
         q_lens = torch.tensor(nums[num_decode:], dtype=torch.int64)
-        cu_pq = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
-        positions = torch.cat([torch.tensor(starts[:num_decode] + draft_positions, dtype=torch.int64),
-                               torch.arange(int(cu_pq[-1])) - torch.repeat_interleave(cu_pq[:-1] - starts_p, q_lens)])
-        rows_t = torch.tensor(plan.rows, dtype=torch.int64)  # per sampled row: entries, then drafted tokens
-        decode_rows = torch.cat([rows_t[:num_decode], rows_t[len(batch):]])
-        token_rows = torch.cat([decode_rows, torch.repeat_interleave(rows_t[num_decode:len(batch)], q_lens)])
-        last = torch.cat([torch.arange(num_decode), num_rows + cu_pq[1:] - 1,
-                          torch.arange(num_decode, num_rows)])
-        prefill_lens = starts_p + q_lens
-        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), prefill_lens.cumsum(0)])
-        move_to = torch.tensor([entry for entry, _ in moves], dtype=torch.int64)  # a decode's row is its entry
-        move_from = torch.tensor([src for _, src in moves], dtype=torch.int64)
-        steps, sampled = torch.tensor(plan.steps, dtype=torch.int64), torch.tensor(plan.sampled, dtype=torch.int64)
-        parts = [ids, positions, token_rows, last, rows_t, steps, sampled, cu_pq, cu_k, move_to, move_from]
-        any_computed = bool(starts_p.any())
-        if any_computed:
-            parts += [torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], prefill_lens),
-                      torch.repeat_interleave(rows_t[num_decode:len(batch)], prefill_lens)]
-        on_device = to_device(torch.cat(parts), self.device).split([p.numel() for p in parts])
-        ids_d, positions_d, token_rows_d, last_d, rows_d, steps_d, sampled_d, cu_pq_d, cu_k_d = on_device[:9]
-        to_d, from_d = on_device[9:11]
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        rows = torch.tensor(table_rows, dtype=torch.int64)  # per logits row: entries, then drafted tokens
+        prefill_rows = rows[num_decode:len(batch)]
+        kv_lens = prefill_starts + q_lens
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lens.cumsum(0)])
+        parts = {
+            "input_ids": torch.tensor(decode_ids + draft_ids + list(prefill_ids), dtype=torch.int64),
+            "positions": torch.cat([torch.tensor(starts[:num_decode] + draft_positions, dtype=torch.int64),
+                                    torch.arange(int(cu_q[-1])) - torch.repeat_interleave(cu_q[:-1] - prefill_starts,
+                                                                                          q_lens)]),
+            "token_table_rows": torch.cat([rows[:num_decode], rows[len(batch):],
+                                           torch.repeat_interleave(prefill_rows, q_lens)]),
+            "logits_indices": torch.cat([torch.arange(num_decode), num_decode_tokens + cu_q[1:] - 1,
+                                         torch.arange(num_decode, num_decode_tokens)]),
+            "table_rows": rows,
+            "output_indices": torch.tensor(output_indices, dtype=torch.int64),
+            "random_rows": torch.tensor(sampling.random_rows, dtype=torch.int64),
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_k": cu_k,
+            "move_to": torch.tensor([entry for entry, _ in moves], dtype=torch.int64),  # a decode's token is its entry
+            "move_from": torch.tensor([src for _, src in moves], dtype=torch.int64),
+        }
+        any_computed = bool(prefill_starts.any())
+        if any_computed:  # every context token of every chunk, read back from the cache
+            parts["kv_positions"] = torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], kv_lens)
+            parts["kv_table_rows"] = torch.repeat_interleave(prefill_rows, kv_lens)
+        d = to_device_packed(parts, self.device)
         if moves:
-            ids_d.index_put_((to_d,), previous.sampled.index_select(0, from_d))
-        width = -(-max((start + n for start, n in zip(starts[:num_decode], nums[:num_decode])), default=0)
-                  // self.block_size)  # blocks of the longest decode context
-        ctx = AttentionContext(
-            is_prefill=True,
-            num_decode_tokens=num_rows,
-            slot_mapping=self._slots(token_rows_d, positions_d),
-            cu_seqlens_q=cu_pq_d.to(torch.int32),
-            cu_seqlens_k=cu_k_d.to(torch.int32),
+            d["input_ids"].index_put_((d["move_to"],), previous.sampled_ids.index_select(0, d["move_from"]))
+        decode_rows = d["token_table_rows"][:num_decode_tokens]
+        width = math.ceil(max((start + n for start, n in zip(starts[:num_decode], nums[:num_decode])), default=0)
+                          / self.block_size)  # blocks of the longest decode context
+        attention = AttentionContext(
+            has_prefill=True,
+            num_decode_tokens=num_decode_tokens,
+            slot_mapping=self.tables.slots(d["token_table_rows"], d["positions"]),
+            cu_seqlens_q=d["cu_seqlens_q"].to(torch.int32),
+            cu_seqlens_k=d["cu_seqlens_k"].to(torch.int32),
             max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(prefill_lens.max()),
-            prefill_kv_slots=self._slots(on_device[12], on_device[11]) if any_computed else None,
-            block_tables=self.block_tables.index_select(0, token_rows_d[:num_rows])[:, :width] if num_rows else None,
-            context_lens=(positions_d[:num_rows] + 1).to(torch.int32) if num_rows else None,
+            max_seqlen_k=int(kv_lens.max()),
+            prefill_kv_slots=self.tables.slots(d["kv_table_rows"], d["kv_positions"]) if any_computed else None,
+            block_tables=self.tables.data.index_select(0, decode_rows)[:, :width] if num_decode_tokens else None,
+            context_lens=(d["positions"][:num_decode_tokens] + 1).to(torch.int32) if num_decode_tokens else None,
         )
-        return ids_d, positions_d, ctx, last_d, rows_d, steps_d, sampled_d
+        return ForwardBatch(batch, d["input_ids"], d["positions"], attention, d["logits_indices"], d["table_rows"],
+                            d["output_indices"], d["random_rows"], sampling)
 
     def capture_decode_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each
         over the full block-table width so any context up to max_model_len replays it."""
         pool = None
         with torch.inference_mode(), self._on_device():
-            self._stage_decode(ScheduledBatch(), StepPlan([], [], [], SamplingPlan([], [], [], [], 0)), max(sizes),
-                               None)  # every column padding
+            self._stage_decode(ScheduledBatch(), [], [], [], [], max(sizes), None)  # every column padding
             for size in sorted(sizes, reverse=True):
                 def step(size=size):
-                    return self._forward(*self._decode_inputs(size, self.max_blocks_per_seq))
+                    input_ids, positions, attention = self.decode_context(size, self.max_blocks_per_seq)
+                    with forward_context(attention):
+                        return self.model.compute_logits(self.model(input_ids, positions))
 
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -454,6 +393,19 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
 
+def _pending_moves(batch: ScheduledBatch, previous: LaunchedStep | None) -> list[tuple[int, int]]:
+    """(entry, index into ``previous.sampled_ids``) for every entry whose input token is pending
+    on the host: ``previous`` sampled it, so it is read from ``previous``'s ids on the device
+    (a pending token is always a one-token entry's input)."""
+    moves = [i for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)) if start >= seq.num_known_tokens]
+    if not moves:
+        return []
+    if previous is None:
+        raise RuntimeError("the batch feeds tokens the host does not know, but no previous step was given")
+    index = previous.index_of
+    return [(i, index[batch.seqs[i].request_id]) for i in moves]
+
+
 def _draft_tokens(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
     """The batch's drafted tokens and their positions, in entry order (entry i's draft j sits at
     ``starts[i] + 1 + j``, after the entry's last token)."""
@@ -463,7 +415,7 @@ def _draft_tokens(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
 
 
 def _token_at(seq: Sequence, position: int) -> int:
-    """``seq``'s known token at ``position`` (a decode row's input: its newest token, or a
+    """``seq``'s known token at ``position`` (a decode token's input: its newest token, or a
     one-token prefill chunk's)."""
     if position == seq.num_known_tokens - 1:
         return seq.last_token_id

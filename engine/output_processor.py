@@ -1,124 +1,223 @@
-"""Requests' text: the tokens each step appended, detokenised together, and stop strings.
+"""Requests' output: the one place that turns what the scheduler appended into what a caller sees.
 
-The one place that turns output tokens into text: every sequence a step advanced is
-detokenised in one batched tokenizer call per new token (``engine.detokenizer``; one call
-unless a step appended accepted drafted tokens), and a stop string found in the new text cuts
-the text there (the stop string is not part of it), drops any later token of the step, and
-ends the request.
-Requests created without text (``generate_tokens``, or another TP rank's copy of a request
-without stop strings) cost nothing here.
+``add`` when a request arrives. After each step ``process_outputs`` takes the scheduler's
+``SequenceOutput``s (new token ids, finish reason) and the step's logprobs: every request's new
+tokens are detokenised together, one batched tokenizer call per token index
+(``engine.detokenizer``; one call unless a step appended accepted drafted tokens); a stop string
+found in a token's new text cuts the text before it and ends the output at that token; the
+logprobs of each new token are kept; each request's reported finish reason is decided. It
+returns the unfinished requests the engine must end (a stop string, text that cannot be
+decoded). ``finish`` records a finish the scheduler made outside a step (rejected, aborted,
+failed with its step).
+
+``output(request_id, tokens_from, text_from)`` is what every reader sees, one ``RequestOutput``:
+the whole output, or what follows a reader's cursor (a stream). While a request runs its text
+stops short of the characters that could still become the start of a stop string (the
+hold-back), so text once read is never taken back. Requests created without text
+(``generate_tokens``, or another TP rank's copy of a request without stop strings: only rank 0's
+text is read) cost nothing here.
+
+The scheduler owns each ``Sequence``; this class only reads it.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer, batch_decoder, detokenize
-from engine.sequence import Sequence
+from engine.scheduler import SequenceOutput
+from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
+Logprobs = tuple[int, float, list[tuple[int, float]]]  # (token id, its logprob, [(token id, logprob)] most likely)
+
+
+@dataclass
+class RequestOutput:
+    """A request's output: ``token_ids`` and ``text`` (from a reader's cursor on when it asked for
+    a delta), ``finished`` and ``finish_reason`` (None while it runs, else "stop", "length",
+    "abort", "error" or "rejected"; ``reject_reason`` says why a request was rejected,
+    ``error`` why one failed or was aborted when that is known). ``logprobs`` (when the request
+    asked for them; from the cursor on): per output token, its id, its logprob and the
+    [(token id, logprob)] of the most likely tokens. Speculative decoding: the tokens drafted
+    for it and verified (``num_draft_tokens``) and those accepted (``num_accepted_tokens``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    reject_reason: str | None = None
+    logprobs: list[Logprobs] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RequestState:
+    """What the output processor holds for one request: its ``seq`` (read only), the
+    ``detokenizer`` of its text (None: no text), its ``logprobs`` (None: not asked for), how many
+    characters a running request's text holds back (``hold_back``: its longest stop string - 1),
+    how many of its output tokens reached the output (``num_tokens``), and the finish reason
+    reported (``finish_reason``, ``error``)."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[Logprobs] | None
+    hold_back: int
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
 
 class OutputProcessor:
-    """``add(seq, detokenize)`` when a request arrives; ``process(seqs, num_new)`` after each step
-    with the sequences it appended tokens to (the last ``num_new`` of ``output_token_ids``) and
-    ``add_logprobs`` for those that asked; ``text(request_id)``, ``logprobs(request_id)``;
-    ``remove(request_id)`` when the request is forgotten."""
+    """Every request's output over ``tokenizer``. ``keeps_text``: this process reads the text
+    (TP rank 0); elsewhere only requests with stop strings are detokenised (every rank must end
+    them at the same token). ``decode`` is the batched decoder (``batch_decoder``)."""
 
-    def __init__(self, tokenizer):
-        self._decode = batch_decoder(tokenizer)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list] = {}
+    def __init__(self, tokenizer, keeps_text: bool = True):
+        self.decode = batch_decoder(tokenizer)
+        self.keeps_text = keeps_text
+        self.num_generation_tokens = 0  # tokens that reached an output
+        self._requests: dict[str, RequestState] = {}
+        self._finished: list[str] = []  # finished since the last take_finished()
 
-    def add(self, seq: Sequence, detokenize: bool) -> None:
-        if detokenize:
-            self._detokenizers[seq.request_id] = IncrementalDetokenizer(decode=self._decode)
-        if seq.sampling_params.logprobs is not None:
-            self._logprobs[seq.request_id] = []
+    def add(self, seq: Sequence, detokenize: bool = True) -> None:
+        params = seq.sampling_params
+        text = detokenize and (self.keeps_text or bool(params.stop))
+        self._requests[seq.request_id] = RequestState(
+            seq, IncrementalDetokenizer(decode=self.decode) if text else None,
+            [] if params.logprobs is not None else None, max(map(len, params.stop), default=1) - 1)
 
     def remove(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
+        del self._requests[request_id]
 
-    def add_logprobs(self, request_id: str, item: tuple[int, float, list[tuple[int, float]]]) -> None:
-        """The logprobs of the token just appended: (its id, its logprob, the most likely tokens')."""
-        self._logprobs[request_id].append(item)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
 
-    def logprobs(self, request_id: str) -> list | None:
-        """Per output token (its id, its logprob, [(token id, logprob)]), or None when not asked for."""
-        items = self._logprobs.get(request_id)
-        return None if items is None else list(items)
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
-    def logprobs_from(self, request_id: str, index: int) -> list:
-        """The logprobs of output tokens ``index`` on ([] when not asked for)."""
-        return self._logprobs.get(request_id, [])[index:]
+    def sequence(self, request_id: str) -> Sequence:
+        return self._requests[request_id].seq
 
-    def text(self, request_id: str) -> str:
-        detok = self._detokenizers.get(request_id)
-        return detok.text if detok is not None else ""
+    def finish(self, request_id: str, error: str | None = None) -> None:
+        """The scheduler finished the request outside a step (rejected, aborted, failed): its
+        reason is the scheduler's; ``error`` says why, when known."""
+        state = self._requests[request_id]
+        seq = state.seq
+        self._finish(state, "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason)
+        state.error = error
 
-    def text_from(self, request_id: str, offset: int) -> tuple[str, int]:
-        """(the text from character ``offset`` on, the text's length) without copying the rest."""
-        detok = self._detokenizers.get(request_id)
-        return (detok.text_from(offset), detok.length) if detok is not None else ("", 0)
+    def take_finished(self) -> list[RequestOutput]:
+        """The outputs of the requests finished since the last call (not those removed meanwhile)."""
+        done, self._finished = self._finished, []
+        return [self.output(rid) for rid in done if rid in self._requests]
+
+    def output(self, request_id: str, tokens_from: int = 0, text_from: int = 0) -> RequestOutput:
+        """The request's output, with its token ids and logprobs from output index ``tokens_from``
+        on and its text from character ``text_from`` on (copying nothing before them)."""
+        state = self._requests[request_id]
+        seq, detok, finished = state.seq, state.detokenizer, state.finish_reason is not None
+        text = ""
+        if detok is not None:
+            end = detok.length if finished else detok.length - state.hold_back
+            text = detok.text_from(text_from)[:max(0, end - text_from)]
+        return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens], text,
+                             finished, state.finish_reason, seq.reject_reason,
+                             None if state.logprobs is None else state.logprobs[tokens_from:],
+                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
-        detok = self._detokenizers.get(request_id)
+        detok = self._requests[request_id].detokenizer
         return detok.token_ids if detok is not None else []
 
-    def process(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[Sequence], list[Sequence]]:
-        """Detokenise each sequence's ``num_new`` newest tokens one at a time, one batched decode
-        per token index (an accepted run of drafted tokens reads exactly as the same tokens one
-        step at a time; a finished sequence is flushed with its last), and match its stop strings
-        in each token's new text. A stop string ends the output at the token that completed it:
-        the text is cut before the stop string and the run's later tokens leave
-        ``output_token_ids``. Returns (the unfinished sequences whose stop string matched: the
-        caller ends them with "stop" — a finished one that matched gets "stop" as its reason; the
-        sequences whose text could not be decoded: the caller fails them alone). When a batched
-        decode raises, each sequence is decoded on its own to find the culprits."""
-        work = [(seq, self._detokenizers[seq.request_id], n) for seq, n in zip(seqs, num_new)
-                if seq.request_id in self._detokenizers]
-        stopped, failed = [], []
-        for index in range(max((n for _, _, n in work), default=0)):
-            work = [(seq, detok, n) for seq, detok, n in work if index < n]
-            steps = [(detok, seq.output_token_ids[index - n], seq.is_finished and index == n - 1)
-                     for seq, detok, n in work]
-            ended = set()
-            for (seq, detok, n), delta in zip(work, self._detokenize([seq for seq, _, _ in work], steps, failed)):
-                if delta and self._cut_at_stop_string(seq, detok, delta):
-                    del seq.output_token_ids[len(seq.output_token_ids) - n + index + 1:]
-                    ended.add(seq.request_id)
-                    if seq.is_finished:
-                        seq.finish_reason = "stop"
-                    else:
-                        stopped.append(seq)
-            ended.update(seq.request_id for seq in failed)
-            work = [item for item in work if item[0].request_id not in ended]
-        return stopped, failed
+    def process_outputs(self, outputs: list[SequenceOutput], logprobs: dict[str, tuple]) -> list[tuple[str, str]]:
+        """Take one step's outputs (``logprobs``: request id -> (the new token's logprob, [(token id,
+        logprob)])) and return the (request id, reason) of the unfinished requests the engine must
+        end: "stop" (a stop string matched) or "error" (its text could not be decoded)."""
+        to_finish: list[tuple[str, str]] = []
+        texts = []
+        for out in outputs:
+            state = self._requests[out.seq.request_id]
+            if state.logprobs is not None and out.seq.request_id in logprobs:
+                state.logprobs.append((out.new_token_ids[-1], *logprobs[out.seq.request_id]))
+            if state.detokenizer is None:
+                self._advance(state, len(out.new_token_ids), out.finish_reason)
+            else:
+                texts.append((state, out))
+        if texts:
+            self._process_text(texts, to_finish)
+        return to_finish
 
-    def _detokenize(self, seqs: list[Sequence], steps: list, failed: list[Sequence]) -> list[str]:
-        """``detokenize`` the ``steps`` of ``seqs`` in one batched call; when it raises, one call
-        per sequence, adding those that still fail to ``failed`` (their new text is "")."""
+    def _advance(self, state: RequestState, num_tokens: int, reason: str | None) -> None:
+        """``num_tokens`` more output tokens reach the output; ``reason``: they end it."""
+        state.num_tokens += num_tokens
+        self.num_generation_tokens += num_tokens
+        if reason is not None:
+            self._finish(state, reason)
+
+    def _finish(self, state: RequestState, reason: str) -> None:
+        if state.finish_reason is None:
+            self._finished.append(state.seq.request_id)
+        state.finish_reason = reason
+
+    def _process_text(self, texts: list[tuple[RequestState, SequenceOutput]], to_finish: list) -> None:
+        """Detokenise each output's new tokens one at a time, one batched decode per token index (an
+        accepted run of drafted tokens reads exactly as the same tokens one step at a time; a
+        finished request is flushed with its last), matching its stop strings in each token's new
+        text. A stop string ends the output at the token that completed it; text that cannot be
+        decoded ends it with "error" (each request decoded alone finds the culprits)."""
+        ended: set[int] = set()  # id() of the states whose output ended inside the step's tokens
+        for index in range(max(len(out.new_token_ids) for _, out in texts)):
+            work = [(state, out) for state, out in texts if index < len(out.new_token_ids) and id(state) not in ended]
+            steps = [(state.detokenizer, out.new_token_ids[index],
+                      out.finish_reason is not None and index == len(out.new_token_ids) - 1) for state, out in work]
+            for (state, out), delta in zip(work, self._detokenize([state for state, _ in work], steps)):
+                if delta is None:
+                    self._end(state, out, index, "error", to_finish)
+                    ended.add(id(state))
+                elif delta and self._cut_at_stop_string(state, delta):
+                    self._end(state, out, index + 1, "stop", to_finish)
+                    ended.add(id(state))
+        for state, out in texts:
+            if id(state) not in ended:
+                self._advance(state, len(out.new_token_ids), out.finish_reason)
+
+    def _end(self, state: RequestState, out: SequenceOutput, num_tokens: int, reason: str, to_finish: list) -> None:
+        """End the output after ``num_tokens`` of the step's new tokens ("error": all of them),
+        with ``reason``; an unfinished request is handed to the engine to end."""
+        self._advance(state, len(out.new_token_ids) if reason == "error" else num_tokens, reason)
+        if out.finish_reason is None:
+            to_finish.append((state.seq.request_id, reason))
+
+    def _detokenize(self, states: list[RequestState], steps: list) -> list[str | None]:
+        """``detokenize`` the ``steps`` in one batched call; when it raises, one call per request,
+        None for those that still fail."""
         try:
-            return detokenize(self._decode, steps)
+            return detokenize(self.decode, steps)
         except Exception:
             deltas = []
-            for seq, step in zip(seqs, steps):
+            for state, step in zip(states, steps):
                 try:
-                    deltas += detokenize(self._decode, [step])
+                    deltas += detokenize(self.decode, [step])
                 except Exception:
-                    log.exception("request %s: its output could not be detokenised", seq.request_id)
-                    failed.append(seq)
-                    deltas.append("")
+                    log.exception("request %s: its output could not be detokenised", state.seq.request_id)
+                    deltas.append(None)
             return deltas
 
     @staticmethod
-    def _cut_at_stop_string(seq: Sequence, detok: IncrementalDetokenizer, delta: str) -> bool:
-        """Cut the text before the first of ``seq``'s stop strings that ends in the new text
+    def _cut_at_stop_string(state: RequestState, delta: str) -> bool:
+        """Cut the text before the first of the request's stop strings that ends in the new text
         ``delta``; True when one did."""
-        stops = seq.sampling_params.stop
+        stops = state.seq.sampling_params.stop
         if not stops:
             return False
+        detok = state.detokenizer
         window = detok.tail(len(delta) + max(map(len, stops)) - 1)  # a stop string ending in the delta
         hits = [i for i in (window.find(s) for s in stops) if i >= 0]
         if hits:

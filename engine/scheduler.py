@@ -60,7 +60,7 @@ logprobs take none (their sampling state advances one token per step).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -81,8 +81,8 @@ class ScheduledBatch:
 
     ``drafts[i]``: tokens drafted for a decode entry (speculative decoding), computed after its
     last token at positions ``starts[i] + 1 ..``; ``num_tokens[i] = 1 + len(drafts[i])`` and the
-    step samples after each of them too. The step's sampled rows are one per entry, then one
-    per drafted token in entry order (``num_rows``, ``row_seqs``)."""
+    step samples after each of them too. The step's logits rows (what it samples from) are one per
+    entry, then one per drafted token in entry order (``num_logits_rows``, ``logits_row_seqs``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -99,7 +99,7 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every token is a decode row: each entry computes its last token and its drafts, all
+        """Every token is a decode token: each entry computes its last token and its drafts, all
         sampled (what a CUDA-graph decode step can replay)."""
         return all(n == 1 + len(d) for n, d in zip(self.num_tokens, self.drafts))
 
@@ -109,13 +109,13 @@ class ScheduledBatch:
         return [i for i, draft in enumerate(self.drafts) for _ in draft]
 
     @property
-    def num_rows(self) -> int:
-        """Sampled rows: one per entry and one per drafted token."""
+    def num_logits_rows(self) -> int:
+        """Logits rows the step samples: one per entry and one per drafted token."""
         return len(self.seqs) + sum(map(len, self.drafts))
 
     @property
-    def row_seqs(self) -> list[Sequence]:
-        """The sequence of each sampled row."""
+    def logits_row_seqs(self) -> list[Sequence]:
+        """The sequence of each logits row."""
         return self.seqs + [self.seqs[i] for i in self.draft_entries]
 
     @property
@@ -123,15 +123,35 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
 
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one step gave one sequence: ``new_token_ids``, the last ``len(new_token_ids)`` of its
+    ``output_token_ids`` (more than one after accepted drafts), and the ``finish_reason`` when
+    one of them ended it ("stop": EOS or a stop token id; "length"), else None."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+
 @dataclass
 class StepResult:
-    """What ``postprocess`` made of a batch: the sequences that got new tokens, in batch order,
-    how many each got (``num_new``: the last ones of its ``output_token_ids``; more than one
-    after accepted drafts), and those it finished."""
+    """What ``postprocess`` made of a batch: one ``SequenceOutput`` per sequence that got new
+    tokens, in batch order. ``appended`` / ``num_new`` / ``finished`` view them by field."""
 
-    appended: list[Sequence]
-    finished: list[Sequence]
-    num_new: list[int]
+    outputs: list[SequenceOutput] = field(default_factory=list)
+
+    @property
+    def appended(self) -> list[Sequence]:
+        return [out.seq for out in self.outputs]
+
+    @property
+    def num_new(self) -> list[int]:
+        return [len(out.new_token_ids) for out in self.outputs]
+
+    @property
+    def finished(self) -> list[Sequence]:
+        return [out.seq for out in self.outputs if out.finish_reason is not None]
 
 
 def accepted_length(draft: list[int], sampled: list[int]) -> int:
@@ -154,8 +174,9 @@ class Scheduler:
 
     ``watermark`` is the fraction of the pool (at least one block) that watermark admission
     leaves free. ``num_preemptions`` counts preemptions; ``preempted`` holds the sequences the
-    last ``schedule()`` preempted. ``take_freed()`` hands the engine the sequences whose blocks
-    were freed (finished or preempted) since it last asked, so it can drop their runner state.
+    last ``schedule()`` preempted. ``on_free(seq)`` is called for every sequence whose blocks it
+    frees (finished, or preempted), once no step in flight holds it: the engine drops its runner
+    state there.
     ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
     list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
     ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
@@ -163,7 +184,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_id: int | Iterable[int] | None, admission: str = "watermark",
-                 watermark: float = 0.01, drafter=None):
+                 watermark: float = 0.01, drafter=None, on_free: Callable[[Sequence], None] | None = None):
         if max_num_seqs < 1 or max_model_len < 1:
             raise ValueError(f"max_num_seqs and max_model_len must be >= 1, got {max_num_seqs}, {max_model_len}")
         if max_num_batched_tokens < max_num_seqs:
@@ -181,6 +202,7 @@ class Scheduler:
         self.watermark = watermark
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.drafter = drafter
+        self.on_free = on_free
         if eos_token_id is None:
             eos_token_id = ()
         self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
@@ -192,12 +214,16 @@ class Scheduler:
         self.needs_drain = False
         self._unfinished: dict[str, Sequence] = {}  # waiting and running, by request id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed, oldest first
-        self._freed: list[Sequence] = []
 
     @property
     def num_in_flight(self) -> int:
         """Scheduled batches not yet postprocessed (at most two: one running, one being scheduled)."""
         return len(self._in_flight)
+
+    @property
+    def in_flight(self) -> tuple[ScheduledBatch, ...]:
+        """The scheduled batches not yet postprocessed, oldest first."""
+        return tuple(self._in_flight)
 
     def add(self, seq: Sequence) -> bool:
         """Queue a WAITING sequence; False (and status REJECTED with ``reject_reason``)
@@ -217,11 +243,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
-
-    def take_freed(self) -> list[Sequence]:
-        """The sequences whose blocks were freed since the last call (finished or preempted)."""
-        freed, self._freed = self._freed, []
-        return freed
 
     def schedule(self) -> ScheduledBatch:
         """The next step (possibly empty). At most one earlier batch may still be in flight
@@ -257,10 +278,10 @@ class Scheduler:
         published); its blocks are freed once no batch in flight holds it."""
         if not self._in_flight or self._in_flight[0] is not batch:
             raise RuntimeError("postprocess() takes the batches in the order they were scheduled")
-        if batch.num_rows != len(token_ids):
-            raise ValueError(f"{batch.num_rows} sampled rows but {len(token_ids)} token ids")
+        if batch.num_logits_rows != len(token_ids):
+            raise ValueError(f"{batch.num_logits_rows} sampled rows but {len(token_ids)} token ids")
         self._in_flight.popleft()
-        appended, finished, num_new = [], [], []
+        result = StepResult()
         draft_rows = iter(token_ids[len(batch):])
         for seq, start, num, samples, draft, token_id in zip(batch.seqs, batch.starts, batch.num_tokens, batch.samples,
                                                               batch.drafts, token_ids):
@@ -282,8 +303,7 @@ class Scheduler:
                     reason = self._finish_reason(seq, token)
                     if reason is not None:
                         break
-                appended.append(seq)
-                num_new.append(new)
+                result.outputs.append(SequenceOutput(seq, seq.output_token_ids[-new:], reason))
             # the step's K/V exists now: publish it (a finished sequence's too, up to its known tokens)
             self.block_manager.publish(seq, min(computed, seq.num_known_tokens))
             if seq.is_finished:
@@ -291,10 +311,9 @@ class Scheduler:
                     self._free(seq)
             elif reason is not None:
                 self._finish(seq, reason)
-                finished.append(seq)
             elif draft:
                 self.block_manager.release_slots(seq, seq.num_computed_tokens)
-        return StepResult(appended, finished, num_new)
+        return result
 
     def abort(self, request_id: str) -> bool:
         """``finish(request_id, "abort")``."""
@@ -311,6 +330,15 @@ class Scheduler:
             return False
         self._finish(seq, reason)
         return True
+
+    def reject_waiting(self, reason: str) -> list[Sequence]:
+        """Finish every waiting sequence as "rejected" with ``reject_reason`` ``reason`` (what an
+        idle engine does when none of them fits); returns them."""
+        rejected = list(self.waiting)
+        for seq in rejected:
+            self._finish(seq, "rejected")
+            seq.reject_reason = reason
+        return rejected
 
     def fail_in_flight(self) -> list[Sequence]:
         """A scheduled batch's forward failed: finish every sequence of every batch in flight
@@ -435,8 +463,9 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.preempted.append(seq)
-        self._freed.append(seq)
         self.num_preemptions += 1
+        if self.on_free is not None:
+            self.on_free(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End an unfinished sequence: out of the queues now, its blocks freed once no batch in
@@ -453,7 +482,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        self._freed.append(seq)
+        if self.on_free is not None:
+            self.on_free(seq)
 
     # ---- limits ------------------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from gates.schema import Gate, parse_unlock
 from gates.skeleton import function_nodes
 
 ENGINE = "engine"
-# engine module -> the gates module it may still import (issue 22 removes this import)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One ``unlocks:`` entry; ``qualname`` is "" for a path entry."""

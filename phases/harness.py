@@ -1,12 +1,15 @@
-"""Test harness shared by the model phases (05-07, later 09+): drive a
-model-like module through paged prefill/decode steps the way the engine does,
-and the HF transformers oracle helpers.
+"""Test harness shared by the model phases (05-07, later 09+): attention contexts built on the
+host sequence by sequence (``prefill_context``, ``decode_context``), a driver that runs a
+model-like module through paged prefill/decode steps the way the engine does, and the HF
+transformers oracle helpers.
 
 Lives in phases/ (not the engine): it is test code.
 """
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +17,69 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import ModelConfig
 from phases.checkpoints import tiny_hf_config
+
+if TYPE_CHECKING:
+    from engine.attention_context import AttentionContext
+
+
+def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
+                    block_tables: Sequence[Sequence[int]], block_size: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, AttentionContext]:
+    """Positions [T] (int64) and the context for prefilling sequences of
+    `seq_lens` tokens whose first `cached_lens` tokens are already in the cache.
+    T = sum(seq_lens - cached_lens); the K/V of the new tokens go to their slots.
+    Built on the host, then copied to `device` once per tensor (the runner builds the same
+    layout vectorised on the device; the layer tests build it here, sequence by sequence).
+    """
+    from engine.attention_context import AttentionContext, cache_slots
+
+    positions, slots, kv_slots = [], [], []
+    for n, cached, table in zip(seq_lens, cached_lens, block_tables, strict=True):
+        if not 0 <= cached < n:
+            raise ValueError(f"cached tokens ({cached}) must be in [0, {n}) for a sequence of {n} tokens")
+        if len(table) * block_size < n:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {n} tokens")
+        every = torch.arange(n)
+        positions.append(every[cached:])
+        kv_slots.append(cache_slots(torch.tensor([table]), torch.zeros(n, dtype=torch.int64), every, block_size))
+        slots.append(kv_slots[-1][cached:])
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    q_lens = seq_lens_t - torch.tensor(cached_lens, dtype=torch.int32)
+
+    def cumsum(lens):
+        return torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+
+    ctx = AttentionContext(
+        has_prefill=True,
+        slot_mapping=torch.cat(slots).to(device),
+        cu_seqlens_q=cumsum(q_lens).to(device),
+        cu_seqlens_k=cumsum(seq_lens_t).to(device),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=int(seq_lens_t.max()),
+        prefill_kv_slots=torch.cat(kv_slots).to(device) if any(cached_lens) else None,
+    )
+    return torch.cat(positions).to(device), ctx
+
+
+def decode_context(context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, AttentionContext]:
+    """Positions [B] and the context for one decode token per sequence; the
+    token of sequence i sits at position context_lens[i] - 1. Block tables are
+    padded with block 0 to the widest (entries past a context are never read)."""
+    from engine.attention_context import AttentionContext, cache_slots
+
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    positions = lens - 1
+    slots = cache_slots(tables, torch.arange(len(tables)), positions, block_size)
+    ctx = AttentionContext(
+        has_prefill=False,
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device=device, dtype=torch.int32),
+        context_lens=lens.to(device=device, dtype=torch.int32),
+    )
+    return positions.to(device), ctx
 
 
 def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_size: int,
@@ -28,7 +94,7 @@ def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_si
     cache bound with enough blocks. Returns each sequence's outputs in position
     order.
     """
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
 
     gen = torch.Generator().manual_seed(seed)
     need = [-(-len(x) // block_size) for x in inputs]
@@ -40,11 +106,8 @@ def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_si
     def prefill(start: list[int], end: list[int], keep: bool):
         positions, ctx = prefill_context(end, start, tables, block_size, device)
         x = torch.cat([seq[a:b] for seq, a, b in zip(inputs, start, end)])
-        set_context(ctx)
-        try:
+        with forward_context(ctx):
             y = step(x, positions)
-        finally:
-            reset_context()
         if keep:
             for i, part in enumerate(y.split([b - a for a, b in zip(start, end)])):
                 outs[i].append(part)
@@ -61,11 +124,8 @@ def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_si
             break
         positions, ctx = decode_context([lens[i] + 1 for i in live], [tables[i] for i in live], block_size, device)
         x = torch.stack([inputs[i][lens[i]] for i in live])
-        set_context(ctx)
-        try:
+        with forward_context(ctx):
             y = step(x, positions)
-        finally:
-            reset_context()
         for row, i in enumerate(live):
             outs[i].append(y[row:row + 1])
             lens[i] += 1
@@ -215,20 +275,16 @@ def count_step(fn, monkeypatch) -> OpCounter:
 def decode_step_ops(model, monkeypatch) -> OpCounter:
     """What one decode step of ``model`` does (``count_step``): two sequences prefilled (7 and 3
     tokens, block size 16, the KV cache bound here), then one decode token each."""
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
     from engine.kv_cache import bind_kv_cache
 
     bind_kv_cache(model, 4, 16, torch.float32, "cpu")
     positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         model(torch.arange(2, 12), positions)
     positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         return count_step(lambda: model.compute_logits(model(torch.tensor([5, 6]), positions)), monkeypatch)
-    finally:
-        reset_context()
 
 
 def assert_no_host_sync_and_no_copies(ops: OpCounter) -> None:

@@ -65,10 +65,10 @@ def main() -> None:
     previous = LaunchedStep(ScheduledBatch(seqs, [args.context - 1] * n, [1] * n, [True] * n),
                             torch.zeros(n, dtype=torch.int64, device=device))
     batch = ScheduledBatch(seqs, [args.context] * n, [1] * n, [True] * n)
-    runner.plan(batch, previous)  # first sight of each table: written once
+    runner.prepare(batch, previous)  # first sight of each table: written once
 
     def decode_step_inputs():
-        runner._stage_decode(batch, runner.plan(batch, previous), n, previous)
+        runner.prepare(batch, previous)
 
     vocab = 151936
     logits = torch.randn(n, vocab, device=device, dtype=torch.bfloat16)
@@ -77,13 +77,10 @@ def main() -> None:
         """Sample ``logits`` as the runner does for a batch of sequences with ``params``."""
         sampling = [Sequence([1], p) for p in params]
         sample_batch = ScheduledBatch(sampling, [0] * n, [1] * n, [True] * n)
-        plan = runner.plan(sample_batch, None)  # writes their parameters into rows' sampling columns
+        step = runner.prepare(sample_batch)  # writes their parameters into their rows' sampling columns
         for seq in sampling:
             runner.release(seq)  # the columns keep them until the rows are handed out again
-        rows = torch.tensor(plan.rows, device=device)
-        steps = torch.zeros(n, dtype=torch.int64, device=device)
-        sampled = torch.tensor(plan.sampled, dtype=torch.int64, device=device)
-        return lambda: runner.sampling.sample(logits, sample_batch, plan.sampling, rows, steps, sampled)
+        return lambda: runner.sampling.sample(logits, step)
 
     with torch.inference_mode():
         result = {

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention_context import prefill_context, reset_context, set_context  # noqa: E402
+from engine.attention_context import forward_context  # noqa: E402
 from engine.kv_cache import bind_kv_cache  # noqa: E402
-from phases.harness import random_qwen3_8b_pair, rel_err  # noqa: E402
+from phases.harness import prefill_context, random_qwen3_8b_pair, rel_err  # noqa: E402
 
 
 def main() -> None:
@@ -34,10 +34,8 @@ def main() -> None:
              for layer in ours.model.layers]
     bind_kv_cache(ours, -(-n // 256), 256, torch.bfloat16, "cuda")
     positions, ctx = prefill_context([n], [0], [list(range(-(-n // 256)))], 256, "cuda")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         ours(ids, positions)
-    reset_context()
     for h in hooks:
         h.remove()
     with torch.no_grad():

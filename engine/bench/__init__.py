@@ -162,7 +162,7 @@ def _check_source(args: argparse.Namespace) -> None:
 
 def model_config(args: argparse.Namespace):
     from engine.config import ModelConfig
-    from engine.llm_engine import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
 
     if args.preset:
         return ModelConfig.from_dict(PRESETS[args.preset])

@@ -65,14 +65,16 @@ def measure_decode(engine, prompt: list[int], tokens: int) -> dict:
     (one decode step each; with overlapped steps each step launches the next decode before it
     reads the last one back)."""
     rid = engine.add_request(prompt, greedy(tokens + 1), detokenize=False)
-    while not engine.request_progress(rid)[1]:
+    while not engine.request_output(rid).token_ids:
         engine.step()  # the prefill, read back: the first output token
     steps_before, start = engine.num_steps, time.perf_counter()
     with tqdm(total=tokens, desc="decode B=1", unit="tok") as bar:
+        done = 1
         while engine.has_unfinished_requests():
-            before = engine.request_progress(rid)[1]
             engine.step()
-            bar.update(engine.request_progress(rid)[1] - before)
+            new = len(engine.request_output(rid, tokens_from=done).token_ids)
+            bar.update(new)
+            done += new
     seconds = time.perf_counter() - start
     out = engine.pop_request(rid)
     decoded = len(out.token_ids) - 1

@@ -1,11 +1,12 @@
 """``python -m engine bench overlap``: the overlapped engine step against the synchronous one, on
 a simulated device, in seconds on a CPU.
 
-The engine is real — scheduler, the runner's host side (rows, sampling plan, pending-token
-moves, a decode step's staging copy), postprocessing and detokenisation with the demo model's
-tokenizer — but the device is a timeline: a launched step occupies it for ``gpu_ms`` after
-the previous step, and reading the step's tokens back waits until it is done. With overlap a step should take about
-max(host, device) time; without, host + device. Tokens are pseudo-random ids (a hash of the
+The engine is real — scheduler, the runner's host side (``ModelRunner.prepare``: table rows,
+sampling plan, pending-token moves, the step's inputs copied to the device), postprocessing and
+detokenisation with the demo model's tokenizer — but the device is a timeline: a launched step
+occupies it for ``gpu_ms`` after the previous step, and reading the step's tokens back waits
+until it is done. With overlap a step should take about max(host, device) time; without,
+host + device. Tokens are pseudo-random ids (a hash of the
 request's seed and the output index), every request ignores EOS, so the work is the same in
 both modes.
 """
@@ -38,9 +39,9 @@ class SimulatedStep(LaunchedStep):
 
 
 class SimulatedDevice:
-    """Replaces a ModelRunner's ``launch``: the runner's host-side plan (and a decode step's
-    staging) runs for real, the forward is ``gpu_ms(batch size)`` on a device timeline (linear
-    from ``gpu_ms_one`` at one sequence to ``gpu_ms_full`` at ``full_batch``)."""
+    """Replaces a ModelRunner's ``launch``: the runner's ``prepare`` runs for real, the forward is
+    ``gpu_ms(batch size)`` on a device timeline (linear from ``gpu_ms_one`` at one sequence to
+    ``gpu_ms_full`` at ``full_batch``)."""
 
     def __init__(self, runner: ModelRunner, vocab_size: int, gpu_ms_one: float, gpu_ms_full: float, full_batch: int):
         self.runner, self.vocab_size = runner, vocab_size
@@ -53,9 +54,7 @@ class SimulatedDevice:
         return 1e-3 * (self.gpu_ms_one + fraction * (self.gpu_ms_full - self.gpu_ms_one))
 
     def launch(self, batch: ScheduledBatch, previous=None) -> SimulatedStep:
-        plan = self.runner.plan(batch, previous)
-        if batch.is_decode:
-            self.runner._stage_decode(batch, plan, len(batch), previous)
+        self.runner.prepare(batch, previous)
         seconds = self.gpu_seconds(len(batch))
         start = max(time.perf_counter(), self.busy_until)
         self.busy_until = start + seconds
@@ -73,7 +72,7 @@ def run_mode(engine, device: SimulatedDevice, num_seqs: int, prompt_len: int, ou
     ids = [engine.add_request(random_prompt(rng, prompt_len, vocab),
                               SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, seed=i))
            for i in range(num_seqs)]
-    while not all(engine.request_progress(rid)[1] for rid in ids):
+    while not all(engine.request_output(rid).token_ids for rid in ids):
         engine.step()  # prefill: every request has its first token
     steps, host, busy = engine.num_steps, engine.host_seconds, device.busy_seconds
     wall = []

@@ -151,7 +151,7 @@ def decode_beside_host_reference(engine, prompt: list[int], tokens: int) -> dict
     and goes during the run weighs on both alike. tok/s counts the steps' time only."""
     reference = HostReference(engine.device)
     rid = engine.add_request(prompt, offline.greedy(tokens + 1), detokenize=False)
-    while not engine.request_progress(rid)[1]:
+    while not engine.request_output(rid).token_ids:
         engine.step()  # the prefill, read back: the first output token
     seconds = 0.0
     while engine.has_unfinished_requests():

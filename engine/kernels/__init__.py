@@ -234,9 +234,11 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _ops(x).decode_gemv(x, weight, bias, activation)
 
 
-def decode_gemv_applies(x: torch.Tensor) -> bool:
-    """Whether a linear layer hands ``x`` (its input) to ``decode_gemv``: switched on with
+def decode_gemv_rows(device: torch.device | str) -> int:
+    """The most rows (a decode step's few) that a linear layer built on ``device`` hands to
+    ``decode_gemv``, the others going to cuBLAS: ``DECODE_GEMV_MAX_ROWS`` on CUDA with
     ``AGENT_INFER_DECODE_GEMV=1`` (off by default until the H200 measures it faster than cuBLAS),
-    a CUDA tensor of at most ``DECODE_GEMV_MAX_ROWS`` rows (shapes only: CUDA-graph safe)."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= DECODE_GEMV_MAX_ROWS
-            and os.environ.get(DECODE_GEMV_ENV) == "1")
+    else 0. A layer reads it once, when it is built; its forward then decides on shapes only
+    (CUDA-graph safe)."""
+    on = torch.device(device).type == "cuda" and os.environ.get(DECODE_GEMV_ENV) == "1"
+    return DECODE_GEMV_MAX_ROWS if on else 0

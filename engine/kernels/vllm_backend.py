@@ -1,4 +1,4 @@
-"""vllm / flash-attn backend: the seed's wrappers over ``vllm._custom_ops`` and ``flash_attn``.
+"""vllm / flash-attn backend: the kernel ops over ``vllm._custom_ops`` and ``flash_attn``.
 
 Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv``,
 ``qk_norm_rope_store`` and ``decode_gemv`` have no vllm counterpart here and are Triton's. Cases those libraries do not

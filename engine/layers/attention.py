@@ -39,7 +39,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.caches()
         if not kv_stored:
             kernels.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        if not ctx.is_prefill:
+        if not ctx.has_prefill:
             return self._decode(q, ctx)
         d = ctx.num_decode_tokens
         if ctx.prefill_kv_slots is not None:

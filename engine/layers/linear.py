@@ -52,10 +52,11 @@ def new_parameter(*shape: int, weight_loader: WeightLoader) -> nn.Parameter:
     return param
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (a new tensor): the few rows of a decode step through
-    ``kernels.decode_gemv`` when it is switched on (``kernels.decode_gemv_applies``), else cuBLAS."""
-    if kernels.decode_gemv_applies(x):
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          decode_gemv_rows: int = 0) -> torch.Tensor:
+    """``x @ weight.T + bias`` (a new tensor): up to ``decode_gemv_rows`` rows (a decode step's;
+    0: never, ``kernels.decode_gemv_rows``) through ``kernels.decode_gemv``, else cuBLAS."""
+    if decode_gemv_rows and x.dim() == 2 and x.shape[0] <= decode_gemv_rows:
         return kernels.decode_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -68,10 +69,11 @@ def narrow_rows(param: torch.Tensor, start: int, length: int) -> torch.Tensor:
 
 
 class UnquantizedLinear:
-    """The default ``quant_method`` of the linear layers: ``y = x W^T + b`` on the layer's weight."""
+    """The default ``quant_method`` of the linear layers: ``y = x W^T + b`` on the layer's weight
+    (a decode step's rows through the decode GEMV when the layer was built with it on)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return dense(x, layer.weight, bias)
+        return dense(x, layer.weight, bias, layer.decode_gemv_rows)
 
     def after_loading(self, layer: nn.Module) -> None:
         """Nothing to do once the checkpoint is loaded."""
@@ -111,6 +113,7 @@ class ReplicatedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.decode_gemv_rows = kernels.decode_gemv_rows(torch.get_default_device())
         self.weight = new_parameter(out_features, in_features, weight_loader=self.weight_loader)
         self.bias = new_parameter(out_features, weight_loader=self.weight_loader) if bias else None
 
@@ -133,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp or get_tp_group()
         self.gather_output = gather_output
+        self.decode_gemv_rows = kernels.decode_gemv_rows(torch.get_default_device())
         out_local = divide(out_features, self.tp.size, "out_features")
         self.weight = new_parameter(out_local, in_features, weight_loader=self.weight_loader)
         self.bias = new_parameter(out_local, weight_loader=self.weight_loader) if bias else None
@@ -216,6 +220,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp or get_tp_group()
+        self.decode_gemv_rows = kernels.decode_gemv_rows(torch.get_default_device())
         in_local = divide(in_features, self.tp.size, "in_features")
         self.weight = new_parameter(out_features, in_local, weight_loader=self.weight_loader)
         self.bias = new_parameter(out_features, weight_loader=self.weight_loader) if bias else None

@@ -75,7 +75,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent = latent[:, None]  # [T, 1, rank + rope]
         self.rotary_emb(positions, q[..., self.nope_dim:], latent[..., self.kv_lora_rank:])
         kernels.store_kv_cache(latent, None, self.k_cache, None, ctx.slot_mapping)
-        if not ctx.is_prefill:
+        if not ctx.has_prefill:
             out = self._decode(q, ctx)
         else:
             d = ctx.num_decode_tokens

@@ -19,7 +19,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 class SwiGLUMLP(nn.Module):
     """``[T, H] -> [T, H]`` (new tensor): one gate-up GEMM (column-parallel, gate | up),
     ``silu(gate) * up`` in one kernel, down_proj (row-parallel, one all-reduce under TP). With
-    the decode GEMV on (``kernels.decode_gemv_applies``, one rank), a decode step's down_proj
+    the decode GEMV on (``kernels.decode_gemv_rows``, one rank), a decode step's down_proj
     reads gate | up and applies ``silu(gate) * up`` in its prologue: no activation kernel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
@@ -29,6 +29,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.down_proj.tp.size == 1 and kernels.decode_gemv_applies(gate_up):
+        rows = self.down_proj.decode_gemv_rows
+        if rows and self.down_proj.tp.size == 1 and gate_up.dim() == 2 and gate_up.shape[0] <= rows:
             return kernels.decode_gemv(gate_up, self.down_proj.weight, activation="silu_mul")
         return self.down_proj(swiglu(gate_up))

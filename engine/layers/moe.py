@@ -16,6 +16,8 @@ from engine.layers.linear import ReplicatedLinear, divide, new_parameter
 from engine.layers.mlp import SwiGLUMLP, swiglu
 
 DENSE_MAX_TOKENS = 64  # up to this many tokens, every local expert runs on every token (no host sync)
+# checkpoint name of an expert's projection -> (RoutedExperts parameter, part): a model's ``expert_params``
+EXPERT_PARAMS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
 
 def expert_group(tp: TPGroup) -> TPGroup:
@@ -39,6 +41,7 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, ds: MoEConfig):
         super().__init__()
         self.ds = ds
+        self.decode_gemv_rows = kernels.decode_gemv_rows(torch.get_default_device())
         self.weight = nn.Parameter(torch.empty(ds.n_routed_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         self.e_score_correction_bias = (
@@ -47,7 +50,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ds = self.ds
-        if kernels.decode_gemv_applies(x):  # float32 logits from the bf16 rows in one launch, no cast kernel
+        if self.decode_gemv_rows and x.dim() == 2 and x.shape[0] <= self.decode_gemv_rows:
+            # float32 logits from the bf16 rows in one launch, no cast kernel
             logits = kernels.decode_gemv(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight)  # float32, as transformers computes them

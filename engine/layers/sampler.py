@@ -2,8 +2,8 @@
 
 Static shapes and no host sync (no ``.item()``, no branch on tensor values), so
 the sampler can sit inside a captured CUDA graph. Randomness is a counter-based
-hash of (seed, step, token id) computed with tensor ops, so a request's tokens
-depend only on its own logits, seed and step, never on the rest of the batch.
+hash of (seed, output index, token id) computed with tensor ops, so a request's tokens
+depend only on its own logits, seed and output index, never on the rest of the batch.
 Under TP only rank 0 samples; the other ranks receive its ids by broadcast.
 """
 from __future__ import annotations
@@ -30,36 +30,37 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Float32 in the open interval (0, 1), a pure function of (seed, step, token id), shaped like
-    ``token_ids`` broadcast against ``[B, 1]``.
+def _uniform_noise(seeds: torch.Tensor, output_indices: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 in the open interval (0, 1), a pure function of (seed, output index, token id),
+    shaped like ``token_ids`` broadcast against ``[B, 1]``.
 
-    seeds, steps: int64 ``[B]`` (seeds in [0, 2**63)); token_ids: int64 ``[V]`` or ``[B, K]``.
+    seeds, output_indices: int64 ``[B]`` (seeds in [0, 2**63)); token_ids: int64 ``[V]`` or ``[B, K]``.
     """
     key = _mix32(_mix32(seeds >> 32) ^ (seeds & _MASK32))
-    key = _mix32(key ^ (steps & _MASK32))[:, None]
+    key = _mix32(key ^ (output_indices & _MASK32))[:, None]
     bits = _mix32(_mix32(token_ids ^ key) ^ key)
     return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
 class Sampler(nn.Module):
     """``forward(logits [B, V], temperatures [B] f32, top_ks [B] int, top_ps [B] f32,
-    seeds [B] int64, steps [B] int64) -> ids [B] int64`` (new tensor, inputs untouched).
+    seeds [B] int64, output_indices [B] int64) -> ids [B] int64`` (new tensor, inputs untouched).
 
     Rows with temperature 0 take the exact argmax. Other rows divide by the
     temperature, keep the ``top_k`` largest logits (0 or -1 = all), then the
     smallest set of those whose probability mass reaches ``top_p`` (1.0 = all),
     and draw from the renormalised distribution with the exponential race
-    ``argmax(p / E)``, ``E = -log(u)``, ``u = _uniform_noise(seeds, steps, token)``.
-    ``steps`` is the request's output index, so a seed fixes the whole output.
+    ``argmax(p / E)``, ``E = -log(u)``, ``u = _uniform_noise(seeds, output_indices, token)``:
+    a row's output index is the position of the token it draws in its request's output, so a
+    seed fixes the whole output.
 
     Without hints every row goes through one static-shape path (CUDA-graph safe).
     The runner, which knows every request's parameters on the host, passes hints
-    that give the same tokens for less work: ``sampled_rows`` (int64 ``[S]``, the rows
+    that give the same tokens for less work: ``random_rows`` (int64 ``[S]``, the rows
     with temperature > 0; the others take only the argmax), ``max_top_k`` (the largest
     top_k among them when every one sets top_k > 0: only that many candidates are
-    kept, by ``topk`` instead of a full sort), ``use_top_k`` (False when no sampled row
-    sets top_k > 0) and ``use_top_p`` (False when no sampled row sets top_p < 1: no
+    kept, by ``topk`` instead of a full sort), ``use_top_k`` (False when no random row
+    sets top_k > 0) and ``use_top_p`` (False when no random row sets top_p < 1: no
     softmax/cumsum over the candidates). With neither filter every token is a candidate
     and nothing is sorted.
     """
@@ -69,32 +70,33 @@ class Sampler(nn.Module):
         self.tp = tp if tp is not None else get_tp_group()
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-                sampled_rows: torch.Tensor | None = None, max_top_k: int | None = None,
+                top_ps: torch.Tensor, seeds: torch.Tensor, output_indices: torch.Tensor, *,
+                random_rows: torch.Tensor | None = None, max_top_k: int | None = None,
                 use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
         for name, t in (("temperatures", temperatures), ("top_ks", top_ks), ("top_ps", top_ps),
-                        ("seeds", seeds), ("steps", steps)):
+                        ("seeds", seeds), ("output_indices", output_indices)):
             if t.shape != (batch,):
                 raise ValueError(f"{name} must have shape [{batch}], got {tuple(t.shape)}")
         if self.tp.size > 1 and self.tp.rank != 0:
             ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
-        elif sampled_rows is None:
-            sampled = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, steps,
-                                   max_top_k, use_top_k, use_top_p)
-            ids = torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
+        elif random_rows is None:
+            drawn = self._sample(logits.float(), temperatures.float(), top_ks, top_ps.float(), seeds, output_indices,
+                                 max_top_k, use_top_k, use_top_p)
+            ids = torch.where(temperatures > 0, drawn, logits.argmax(dim=-1))
         else:
             ids = logits.argmax(dim=-1)
-            if sampled_rows.numel():
-                picked = [t.index_select(0, sampled_rows) for t in (logits, temperatures, top_ks, top_ps, seeds, steps)]
-                ids[sampled_rows] = self._sample(picked[0].float(), picked[1].float(), picked[2], picked[3].float(),
+            if random_rows.numel():
+                picked = [t.index_select(0, random_rows)
+                          for t in (logits, temperatures, top_ks, top_ps, seeds, output_indices)]
+                ids[random_rows] = self._sample(picked[0].float(), picked[1].float(), picked[2], picked[3].float(),
                                                  picked[4], picked[5], max_top_k, use_top_k, use_top_p)
         return broadcast_tensor(ids, src=0)
 
     @staticmethod
-    def _sample(logits, temperatures, top_ks, top_ps, seeds, steps, max_top_k=None, use_top_k=True,
+    def _sample(logits, temperatures, top_ks, top_ps, seeds, output_indices, max_top_k=None, use_top_k=True,
                 use_top_p=True) -> torch.Tensor:
         """Draw one token per row (every row treated as temperature > 0)."""
         vocab_size = logits.shape[1]
@@ -113,6 +115,6 @@ class Sampler(nn.Module):
                 mass_before = probs.cumsum(dim=-1) - probs
                 candidates = candidates.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
         # argmax(p / E) == argmax(logit - log E): the renormalising constant does not move the argmax
-        race = candidates - torch.log(-torch.log(_uniform_noise(seeds, steps, token_ids)))
+        race = candidates - torch.log(-torch.log(_uniform_noise(seeds, output_indices, token_ids)))
         choice = race.argmax(dim=-1, keepdim=True)
         return choice[:, 0] if token_ids.dim() == 1 else token_ids.gather(1, choice)[:, 0]

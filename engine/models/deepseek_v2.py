@@ -6,7 +6,7 @@ from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup, get_tp_group
 from engine.layers.mla import MultiHeadLatentAttention
 from engine.layers.mlp import SwiGLUMLP
-from engine.layers.moe import DENSE_MAX_TOKENS, MoE, expert_group
+from engine.layers.moe import DENSE_MAX_TOKENS, EXPERT_PARAMS, MoE, expert_group
 from engine.models.decoder import CausalLM, DecoderLayer
 
 
@@ -35,8 +35,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     max_graph_batch = DENSE_MAX_TOKENS
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    expert_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                     "down_proj": ("down_proj", 0)}
+    expert_params = EXPERT_PARAMS
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, ep: TPGroup | None = None):
         tp = tp or get_tp_group()

@@ -6,10 +6,9 @@ from __future__ import annotations
 from engine.config import ModelConfig, QwenMoeConfig
 from engine.distributed import TPGroup, get_tp_group
 from engine.layers.mlp import SwiGLUMLP
-from engine.layers.moe import DENSE_MAX_TOKENS, GatedSharedExpertMoE, MoE, expert_group
+from engine.layers.moe import DENSE_MAX_TOKENS, EXPERT_PARAMS, GatedSharedExpertMoE, MoE, expert_group
 from engine.models.decoder import CausalLM, DecoderLayer
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.qwen import QwenAttention, QwenForCausalLM
+from engine.models.dense import PACKED_MODULES, GQAAttention
 
 
 class QwenMoeDecoderLayer(DecoderLayer):
@@ -24,7 +23,7 @@ class QwenMoeDecoderLayer(DecoderLayer):
             mlp = GatedSharedExpertMoE(config.hidden_size, moe, tp, ep)
         else:
             mlp = MoE(config.hidden_size, moe, tp, ep)
-        super().__init__(QwenAttention(config, tp), mlp, config)
+        super().__init__(GQAAttention(config, tp), mlp, config)
 
 
 class QwenMoeForCausalLM(CausalLM):
@@ -33,12 +32,12 @@ class QwenMoeForCausalLM(CausalLM):
     Attention and dense layers split over ``tp``, routed experts over ``ep`` (default: the same
     ranks), as DeepSeek's. Checkpoint q/k/v and gate/up tensors load into merged projections
     through ``packed_modules``, ``experts.<e>.<proj>.weight`` into the stacked expert weights
-    through ``expert_params``. ``max_graph_batch``: see ``DeepseekV2ForCausalLM``.
+    through ``expert_params``. ``max_graph_batch``: CUDA graphs up to ``DENSE_MAX_TOKENS``, as DeepSeek's.
     """
 
     max_graph_batch = DENSE_MAX_TOKENS
-    packed_modules = QwenForCausalLM.packed_modules
-    expert_params = DeepseekV2ForCausalLM.expert_params
+    packed_modules = PACKED_MODULES
+    expert_params = EXPERT_PARAMS
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, ep: TPGroup | None = None):
         tp = tp or get_tp_group()

@@ -11,14 +11,14 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed import TPGroup
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.qwen import QwenForCausalLM, QwenVLTextForCausalLM
+from engine.models.dense import DenseForCausalLM, QwenVLTextForCausalLM
 from engine.models.qwen_moe import QwenMoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "Qwen2ForCausalLM": QwenForCausalLM,
-    "Qwen3ForCausalLM": QwenForCausalLM,
-    "LlamaForCausalLM": QwenForCausalLM,
-    "MistralForCausalLM": QwenForCausalLM,
+    "Qwen2ForCausalLM": DenseForCausalLM,
+    "Qwen3ForCausalLM": DenseForCausalLM,
+    "LlamaForCausalLM": DenseForCausalLM,
+    "MistralForCausalLM": DenseForCausalLM,
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     **dict.fromkeys(("Qwen2VLForCausalLM", "Qwen2_5_VLForCausalLM", "Qwen2VLForConditionalGeneration",

@@ -25,7 +25,8 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.engine_args import EngineArgs
-from engine.server.engine_loop import EngineLoop, Stream, Update, mirror_rank0
+from engine.output_processor import RequestOutput
+from engine.server.engine_loop import EngineLoop, Stream, mirror_rank0
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import MAX_BODY_BYTES, APIError, GenerationRequest, OpenAIProtocol, parse_json, usage
 
@@ -141,24 +142,27 @@ class OpenAIServer:
                 self.engine_loop.abort(s)
 
     async def _answer(self, gen: GenerationRequest, streams: list[Stream], bell: asyncio.Event) -> web.Response:
-        texts, logprobs, finals = [[] for _ in streams], [[] for _ in streams], [None] * len(streams)
+        texts, logprobs, counts = [[] for _ in streams], [[] for _ in streams], [0] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
         while not all(finals):
             await bell.wait()
             bell.clear()
             for i, s in enumerate(streams):
                 update = s.take()
+                if update is None:
+                    continue
                 texts[i].append(update.text)
-                logprobs[i] += update.logprobs
+                logprobs[i] += update.logprobs or []
+                counts[i] += len(update.token_ids)
                 if update.finished:
                     finals[i] = update
                     _raise_if_failed(update)
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
-            text = "".join(parts)[:final.final_length]
             lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
-            choices.append(self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp))
+            choices.append(self.protocol.choice(gen.chat, s.index, "".join(parts), final.finish_reason, lp))
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": usage(gen.num_prompt_tokens, sum(f.num_tokens for f in finals),
+                                  "usage": usage(gen.num_prompt_tokens, sum(counts),
                                                  sum(f.num_draft_tokens for f in finals),
                                                  sum(f.num_accepted_tokens for f in finals))})
 
@@ -166,8 +170,8 @@ class OpenAIServer:
                       bell: asyncio.Event) -> web.StreamResponse:
         """Server-Sent Events: a chunk per step that produced tokens for a choice (clients see the
         time of every token, as TTFT / ITL measure it), the finish reasons, a usage chunk if
-        asked, then ``data: [DONE]``. Text that could still become a stop string is held back
-        until it cannot, so the streamed text equals the non-streaming text."""
+        asked, then ``data: [DONE]``. The engine holds back text that could still become a stop
+        string (``OutputProcessor``), so the streamed text equals the non-streaming text."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         head = self.protocol.head(gen.chat, stream=True)
@@ -175,10 +179,9 @@ class OpenAIServer:
         async def send(data: dict | str) -> None:
             await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
 
-        held = [""] * len(streams)        # received, not sent (a possible stop string's beginning)
         sent = [0] * len(streams)         # characters sent
         tokens = [0] * len(streams)
-        finals: list[Update | None] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             if gen.chat:
                 for s in streams:
@@ -187,12 +190,9 @@ class OpenAIServer:
                 await bell.wait()
                 bell.clear()
                 for i, s in enumerate(streams):
-                    if finals[i] is not None:
+                    update = s.take() if finals[i] is None else None
+                    if update is None:
                         continue
-                    update = s.take()
-                    if not (update.text or update.logprobs or update.finished or update.num_tokens > tokens[i]):
-                        continue
-                    held[i] += update.text
                     if update.finished:
                         finals[i] = update
                         try:
@@ -200,17 +200,12 @@ class OpenAIServer:
                         except APIError as e:
                             await send(e.body())
                             raise _StreamEnded from None
-                        visible, held[i] = held[i][:update.final_length - sent[i]], ""
-                    else:
-                        keep = max(map(len, s.params.stop), default=1) - 1
-                        visible = held[i][:len(held[i]) - keep] if keep else held[i]
-                        held[i] = held[i][len(visible):]
                     lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
                           if gen.logprobs and update.logprobs else None)
-                    await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, visible,
+                    await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, update.text,
                                                                          update.finish_reason, lp)]})
-                    sent[i] += len(visible)
-                    tokens[i] = update.num_tokens
+                    sent[i] += len(update.text)
+                    tokens[i] += len(update.token_ids)
             if gen.include_usage:
                 await send({**head, "choices": [], "usage": usage(gen.num_prompt_tokens, sum(tokens),
                                                                    sum(f.num_draft_tokens for f in finals),
@@ -226,13 +221,13 @@ class _StreamEnded(Exception):
     """An error chunk was sent: the stream ends without [DONE]."""
 
 
-def _raise_if_failed(update: Update) -> None:
+def _raise_if_failed(update: RequestOutput) -> None:
     if update.finish_reason == "rejected":
-        raise APIError(400, f"the engine rejected the request: {update.message}", code="rejected")
+        raise APIError(400, f"the engine rejected the request: {update.reject_reason}", code="rejected")
     if update.finish_reason == "error":
-        raise APIError(500, update.message or "the engine failed on this request")
+        raise APIError(500, update.error or "the engine failed on this request")
     if update.finish_reason == "abort":
-        raise APIError(503, update.message or "the request was aborted")
+        raise APIError(503, update.error or "the request was aborted")
 
 
 # ---- command line --------------------------------------------------------------------------------

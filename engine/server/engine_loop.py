@@ -2,9 +2,10 @@
 
 HTTP handlers ``submit`` and ``abort`` streams from their own thread. Between steps the engine
 thread adds and aborts what they queued, steps while there is work, and posts each stream's
-progress into the stream (new text, token count, new logprobs, the finish); a stream keeps
-only what its reader has not taken yet, so a slow reader costs O(its text) and never stalls the
-loop. A finished request is forgotten by the engine at once.
+progress into the stream (the engine's ``RequestOutput`` from the stream's cursor on: new tokens,
+new text, new logprobs, the finish); a stream keeps only what its reader has not taken yet, so a
+slow reader costs O(its text) and never stalls the loop. A finished request is forgotten by the
+engine at once.
 
 Under torchrun rank 0 serves HTTP: every iteration it sends the other ranks a two-int header
 (payload bytes, stop) over gloo and, only when there are commands, their pickled payload; every
@@ -23,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import pickle
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.output_processor import RequestOutput
 from engine.sequence import SamplingParams
 from engine.server.metrics import ServerMetrics
 
@@ -40,30 +42,11 @@ HEARTBEAT_S = 5.0  # an idle rank 0 still sends a header this often, far inside 
 STALL_S = 120.0  # an iteration with work pending taking longer than this: /health says so
 
 
-@dataclass
-class Update:
-    """What a handler takes from a stream: the text and logprobs posted since it last took, the
-    output token count, and once finished the reason, a message for "error" / "abort" /
-    "rejected", the final text length (a stop string may have cut text posted before) and the
-    drafted and accepted token counts (speculative decoding)."""
-
-    text: str = ""
-    num_tokens: int = 0
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    message: str | None = None
-    final_length: int | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class Stream:
-    """One engine request of an HTTP request. The engine thread ``post``s; the handler waits on
-    ``bell`` (an asyncio.Event shared by the streams of one HTTP request) and ``take``s."""
+    """One engine request of an HTTP request. The engine thread ``post``s its progress, a
+    ``RequestOutput`` delta; the handler waits on ``bell`` (an asyncio.Event shared by the
+    streams of one HTTP request) and ``take``s everything posted since it last took, merged into
+    one delta."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, index: int, bell: asyncio.Event):
         self.prompt_token_ids, self.params, self.index, self.bell = prompt_token_ids, params, index, bell
@@ -73,32 +56,36 @@ class Stream:
         self.arrival = time.monotonic()
         self.text_length = 0     # engine side: text posted so far (characters)
         self.num_tokens = 0      # engine side: output tokens posted so far
-        self.num_logprobs = 0
         self.last_token_at: float | None = None
         self._lock = threading.Lock()
-        self._pending = Update()
+        self._pending: RequestOutput | None = None
 
-    def post(self, text: str, num_tokens: int, logprobs: list, finish_reason: str | None = None,
-             message: str | None = None, final_length: int | None = None, drafts: tuple[int, int] = (0, 0)) -> None:
+    def post(self, output: RequestOutput) -> None:
         """(Engine thread.) Add progress for the handler and ring its bell."""
         with self._lock:
-            pending = self._pending
-            pending.text += text
-            pending.num_tokens = num_tokens
-            pending.logprobs += logprobs
-            if finish_reason is not None:
-                pending.finish_reason, pending.message, pending.final_length = finish_reason, message, final_length
-                pending.num_draft_tokens, pending.num_accepted_tokens = drafts
+            self._pending = output if self._pending is None else _merged(self._pending, output)
         try:
             self.event_loop.call_soon_threadsafe(self.bell.set)
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 
-    def take(self) -> Update:
-        """(Handler.) Everything posted since the last take."""
+    def end(self, finish_reason: str, error: str) -> None:
+        """(Engine thread.) End the stream without the engine: ``finish_reason`` because of ``error``."""
+        self.post(RequestOutput(self.request_id or "", self.prompt_token_ids, [], "", True, finish_reason,
+                                error=error))
+
+    def take(self) -> RequestOutput | None:
+        """(Handler.) Everything posted since the last take (None: nothing)."""
         with self._lock:
-            taken, self._pending = self._pending, Update(num_tokens=self._pending.num_tokens)
+            taken, self._pending = self._pending, None
         return taken
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    logprobs = then.logprobs if first.logprobs is None else first.logprobs + (then.logprobs or [])
+    return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
+                               logprobs=logprobs)
 
 
 def _send_commands(commands: list[tuple], stop: bool) -> None:
@@ -151,7 +138,7 @@ def _apply(engine, commands: list[tuple]) -> list[str | None]:
     return request_ids
 
 
-def _step(engine) -> str | None:
+def run_step(engine) -> str | None:
     """One ``engine.step()``; an error message when it raised (the engine has then finished the
     requests of the steps in flight with "error"). Under TP a failed step is re-raised: fatal."""
     try:
@@ -223,6 +210,10 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (at most ``timeout`` seconds)."""
+        self._thread.join(timeout)
+
     def submit(self, stream: Stream) -> None:
         self._put(("add", stream))
 
@@ -274,23 +265,22 @@ class EngineLoop:
             torch.cuda.set_device(engine.device)
         try:
             while True:
-                commands, streams, stop = self._take_commands()
+                commands, streams, stop = self.take_commands()
                 self._stop_sent = stop
                 _send_commands(commands, stop)
                 for stream, request_id in zip(streams, _apply(engine, commands)):
                     if request_id is None:
-                        stream.post("", 0, [], "error", "the engine refused the request")
+                        stream.end("error", "the engine refused the request")
                     else:
                         stream.request_id = request_id
                         self._streams[request_id] = stream
                 if stop:
                     break
-                error = None
                 if commands or engine.has_unfinished_requests():
                     self._busy_since = time.monotonic()
-                    error = _step(engine)
+                    run_step(engine)
                     self._busy_since = None
-                self._publish(error)
+                self._publish()
                 self.metrics.observe(engine)
         except BaseException as e:
             self.failure = e
@@ -311,7 +301,7 @@ class EngineLoop:
                 except RuntimeError:  # the event loop has closed
                     pass
 
-    def _take_commands(self) -> tuple[list[tuple], list[Stream], bool]:
+    def take_commands(self) -> tuple[list[tuple], list[Stream], bool]:
         """Drain the inbox (waiting up to HEARTBEAT_S when the engine is idle): the commands to
         send, the stream of each add, and whether to stop. Calls run here."""
         items = []
@@ -339,32 +329,30 @@ class EngineLoop:
                 stop = True
         return commands, streams, stop
 
-    def _publish(self, error: str | None) -> None:
+    def _publish(self) -> None:
         """Post every stream's progress; forget the finished requests."""
         now = time.monotonic()
         for request_id, stream in list(self._streams.items()):
-            update = self.engine.request_update(request_id, stream.text_length, stream.num_logprobs)
-            new_tokens = update.num_tokens - stream.num_tokens
-            if new_tokens > 0:
+            output = self.engine.request_output(request_id, stream.num_tokens, stream.text_length)
+            new_tokens = later_tokens = len(output.token_ids)
+            if new_tokens:
                 if stream.num_tokens == 0:
                     self.metrics.first_token(now - stream.arrival)
-                    new_tokens -= 1
-                if new_tokens:
-                    self.metrics.next_tokens(new_tokens, now - (stream.last_token_at or now))
+                    later_tokens -= 1
+                if later_tokens:
+                    self.metrics.next_tokens(later_tokens, now - (stream.last_token_at or now))
                 stream.last_token_at = now
-            stream.text_length += len(update.text)
-            stream.num_tokens, stream.num_logprobs = update.num_tokens, stream.num_logprobs + len(update.logprobs)
-            if update.finished:
+            stream.text_length += len(output.text)
+            stream.num_tokens += new_tokens
+            if output.finished:
                 del self._streams[request_id]
                 self.engine.pop_request(request_id)
-                message = error if update.finish_reason == "error" else update.reject_reason
-                stream.post(update.text, update.num_tokens, update.logprobs, update.finish_reason, message,
-                            update.text_length, (update.num_draft_tokens, update.num_accepted_tokens))
-                self.metrics.finished(update.finish_reason, now - stream.arrival)
+                stream.post(output)
+                self.metrics.finished(output.finish_reason, now - stream.arrival)
                 log.info("request %s: prompt %d tokens, output %d tokens, finished (%s) in %.3f s", request_id,
-                         len(stream.prompt_token_ids), update.num_tokens, update.finish_reason, now - stream.arrival)
-            elif update.text or new_tokens > 0 or update.logprobs:
-                stream.post(update.text, update.num_tokens, update.logprobs)
+                         len(stream.prompt_token_ids), stream.num_tokens, output.finish_reason, now - stream.arrival)
+            elif output.text or new_tokens or output.logprobs:
+                stream.post(output)
 
     def _close(self, reason: str, finish: str = "abort") -> None:
         """No more submissions; every stream still waiting ends as ``finish`` ("abort", or "error"
@@ -385,5 +373,5 @@ class EngineLoop:
             elif kind == "call":
                 rest[1].set_exception(RuntimeError(reason))
         for stream in pending:
-            stream.post("", stream.num_tokens, [], finish, reason, stream.text_length)
+            stream.end(finish, reason)
         self._streams.clear()

@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
-from engine.models.qwen import QwenAttention
+from engine.models.dense import GQAAttention
 from phases.harness import engine_config
 
 
@@ -17,7 +17,7 @@ def tiny_model(rank=0, size=1):
     (the whole model needs phases 06 and 07)."""
     cfg = engine_config()
     tp = TPGroup(rank=rank, size=size)
-    return cfg, nn.ModuleList(QwenAttention(cfg, tp) for _ in range(cfg.num_hidden_layers))
+    return cfg, nn.ModuleList(GQAAttention(cfg, tp) for _ in range(cfg.num_hidden_layers))
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -63,7 +63,7 @@ def test_bind_gives_every_layer_its_own_paged_cache():
 
 
 def test_step_context_rejects_impossible_layouts():
-    from engine.attention_context import prefill_context
+    from phases.harness import prefill_context
 
     with pytest.raises(ValueError, match="cached tokens"):
         prefill_context([5], [5], [[0]], 16, "cpu")  # nothing left to compute
@@ -74,7 +74,7 @@ def test_step_context_rejects_impossible_layouts():
 def test_step_context_maps_tokens_to_their_blocks():
     """Slots follow each sequence's own (non-contiguous) block table; cu_seqlens
     count only the new tokens for queries and every token for keys."""
-    from engine.attention_context import decode_context, prefill_context
+    from phases.harness import decode_context, prefill_context
 
     positions, ctx = prefill_context([3, 18], [0, 16], [[7], [2, 5]], 16, "cpu")
     assert positions.tolist() == [0, 1, 2, 16, 17]

@@ -80,7 +80,8 @@ def test_mla_prefix_cached_prefill_reads_latents_from_cache():
 def test_mla_caches_one_latent_entry_per_token(dtype):
     """The cache holds kv_lora_rank + rope channels per token once (no V cache, not per
     head), and what it holds is HF's normalised latent and rotated shared key."""
-    from engine.attention_context import prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
+    from phases.harness import prefill_context
 
     cfg, hf_attn, rotary = hf_mla("V2", seed=3)
     ours = engine_mla("V2", hf_attn, TPGroup(rank=1, size=2))
@@ -93,16 +94,13 @@ def test_mla_caches_one_latent_entry_per_token(dtype):
     torch.manual_seed(0)
     x = torch.randn(n, cfg.hidden_size)
     positions, ctx = prefill_context([n], [0], [[1]], 16, "cpu")
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         with torch.no_grad():
             ours(positions, x)
             kv, k_pe = hf_attn.kv_a_proj_with_mqa(x[None]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
             kv = hf_attn.kv_a_layernorm(kv)
             pe = rotary(x[None], torch.arange(n)[None])
             k_pe = modeling_deepseek_v2.apply_rotary_emb(k_pe[:, None], k_pe[:, None], pe)[1][:, 0]
-    finally:
-        reset_context()
     assert rel_err(ours.k_cache[1, :n, 0], torch.cat([kv, k_pe], -1)[0]) < 1e-5
     assert ours.k_cache[0].abs().sum() == 0
 
@@ -131,20 +129,16 @@ def test_mla_heads_split_over_tp_ranks(size):
 
 
 def test_mla_decode_step_has_no_host_sync(monkeypatch):
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
-    from phases.harness import assert_no_host_sync_and_no_copies, count_step
+    from engine.attention_context import forward_context
+    from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
     cfg, hf_attn, _ = hf_mla("V2", seed=5)
     ours = engine_mla("V2", hf_attn)
     bind_kv_cache(ours, 2, 16, torch.float32, "cpu")
     positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         ours(positions, torch.randn(12, cfg.hidden_size))
     positions, ctx = decode_context([9, 5], [[0], [1]], 16, "cpu")
     x = torch.randn(2, cfg.hidden_size)
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         assert_no_host_sync_and_no_copies(count_step(lambda: ours(positions, x), monkeypatch))
-    finally:
-        reset_context()

@@ -1,4 +1,4 @@
-"""QwenAttention over the paged KV cache against HF transformers' attention
+"""GQAAttention over the paged KV cache against HF transformers' attention
 with the same random weights: ragged prefill, decode steps, prefix-cached
 prefill, block sizes 16 and 256."""
 import pytest
@@ -8,7 +8,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
-from engine.models.qwen import QwenAttention, QwenForCausalLM
+from engine.models.dense import DenseForCausalLM, GQAAttention
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
@@ -33,8 +33,8 @@ def hf_attention_reference(attn, rotary, x):
 
 
 def make_engine_attention(arch, cfg, hf_attn, block_size, lengths):
-    ours = QwenAttention(engine_config(arch), TPGroup())
-    load_from_hf(ours, hf_attn, QwenForCausalLM.packed_modules)
+    ours = GQAAttention(engine_config(arch), TPGroup())
+    load_from_hf(ours, hf_attn, DenseForCausalLM.packed_modules)
     bind_kv_cache(ours, num_blocks_for(lengths, block_size), block_size, torch.float32, "cpu")
     return ours
 
@@ -78,7 +78,7 @@ def test_heads_per_rank_and_kv_replication(rank, size):
     """Q heads split evenly; KV heads split, or replicated (one per rank) when
     tp > num_kv_heads; K/V use the local KV-head count."""
     cfg = engine_config("Qwen3ForCausalLM")
-    attn = QwenAttention(cfg, TPGroup(rank=rank, size=size))
+    attn = GQAAttention(cfg, TPGroup(rank=rank, size=size))
     assert attn.attn.num_heads == cfg.num_attention_heads // size
     assert attn.attn.num_kv_heads == max(1, cfg.num_key_value_heads // size)
     q_out = attn.qkv_proj.weight.shape[0]
@@ -86,22 +86,18 @@ def test_heads_per_rank_and_kv_replication(rank, size):
 
 
 def test_decode_step_of_the_attention_layer_has_no_host_sync(monkeypatch):
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
-    from phases.harness import assert_no_host_sync_and_no_copies, count_step
+    from engine.attention_context import forward_context
+    from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
     cfg, hf_attn, _ = hf_attention("Qwen3ForCausalLM", seed=3)
     ours = make_engine_attention("Qwen3ForCausalLM", cfg, hf_attn, 16, [9, 5])
     positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         ours(positions, torch.randn(12, cfg.hidden_size))
     positions, ctx = decode_context([9, 5], [[0], [1]], 16, "cpu")
     x = torch.randn(2, cfg.hidden_size)
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         assert_no_host_sync_and_no_copies(count_step(lambda: ours(positions, x), monkeypatch))
-    finally:
-        reset_context()
 
 
 @pytest.mark.parametrize("rank,size", [(1, 2), (2, 4), (3, 4)])
@@ -110,26 +106,25 @@ def test_rank_caches_its_own_kv_head(rank, size):
     [T, local KV heads, D] and hold exactly HF's KV head r * total_kv // tp."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-    from engine.attention_context import prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
     from engine.distributed import TPGroup
+    from phases.harness import prefill_context
 
     arch = "Qwen3ForCausalLM"
     cfg, hf_attn, rotary = hf_attention(arch, seed=4)
-    ours = QwenAttention(engine_config(arch), TPGroup(rank=rank, size=size))
-    load_from_hf(ours, hf_attn, QwenForCausalLM.packed_modules)
+    ours = GQAAttention(engine_config(arch), TPGroup(rank=rank, size=size))
+    load_from_hf(ours, hf_attn, DenseForCausalLM.packed_modules)
     bind_kv_cache(ours, 1, 16, torch.float32, "cpu")
     n, d = 11, cfg.head_dim
     torch.manual_seed(0)
     x = torch.randn(n, cfg.hidden_size)
     positions, ctx = prefill_context([n], [0], [[0]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         ours(positions, x)
         pos = torch.arange(n)[None]
         k = hf_attn.k_norm(hf_attn.k_proj(x[None]).view(1, n, -1, d)).transpose(1, 2)
         v = hf_attn.v_proj(x[None]).view(1, n, -1, d).transpose(1, 2)
         _, k = apply_rotary_pos_emb(k, k, *rotary(x[None], pos))
-    reset_context()
     head = rank * cfg.num_key_value_heads // size
     assert ours.attn.k_cache.shape[2] == max(1, cfg.num_key_value_heads // size)
     assert_close(ours.attn.k_cache[0, :n, 0], k[0, head], 1e-5, "cached K", f"rank {rank} of {size} (KV head {head})")
@@ -140,7 +135,8 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
     """The scheduler may give a later sequence prefix blocks an earlier sequence of
     the same prefill batch is computing: the layer stores the whole batch's K/V
     before attending, so both match HF."""
-    from engine.attention_context import prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
+    from phases.harness import prefill_context
 
     arch = "Qwen3ForCausalLM"
     cfg, hf_attn, rotary = hf_attention(arch, seed=5)
@@ -150,11 +146,9 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
     second = torch.cat([first[:16], torch.randn(8, cfg.hidden_size)])  # same first block
     positions, ctx = prefill_context([20, 24], [0, 16], [[0, 1], [0, 2]], 16, "cpu")
     assert ctx.prefill_kv_slots is not None
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         out = ours(positions, torch.cat([first, second[16:]]))
         want_first = hf_attention_reference(hf_attn, rotary, first)
         want_second = hf_attention_reference(hf_attn, rotary, second)
-    reset_context()
     assert_close(out[:20], want_first, 1e-4, "attention output", "the sequence writing the shared block")
     assert_close(out[20:], want_second[16:], 1e-4, "attention output", "the sequence reusing the shared block")

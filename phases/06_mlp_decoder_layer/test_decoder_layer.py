@@ -11,13 +11,13 @@ from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
 from engine.layers.mlp import SwiGLUMLP
 from engine.layers.norm import RMSNorm
-from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM
+from engine.models.dense import DenseDecoderLayer, DenseForCausalLM
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2, "LlamaForCausalLM": modeling_llama}
-PACKED = QwenForCausalLM.packed_modules
+PACKED = DenseForCausalLM.packed_modules
 
 
 def hf_module(arch, kind, seed, **kwargs):
@@ -70,7 +70,7 @@ def test_decoder_layer_matches_hf(arch, first_layer):
     cfg = hf_config(arch)
     hf = hf_module(arch, "DecoderLayer", seed=4, layer_idx=0)
     rotary = getattr(HF[arch], arch.replace("ForCausalLM", "RotaryEmbedding"))(cfg)
-    ours = QwenDecoderLayer(engine_config(arch), TPGroup())
+    ours = DenseDecoderLayer(engine_config(arch), TPGroup())
     load_from_hf(ours, hf, PACKED)
     block_size, prompt_lens = 16, [3, 19, 30]
     lengths = [n + 9 for n in prompt_lens]
@@ -101,7 +101,7 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
     """Spy on the norm kernels during a forward: the weights passed, in call
     order, are exactly each layer's own norms (no cross-layer reference)."""
     cfg = engine_config("Qwen3ForCausalLM", num_hidden_layers=3)
-    model = QwenForCausalLM(cfg, TPGroup())
+    model = DenseForCausalLM(cfg, TPGroup())
     randomize_weights(model, seed=6)
     seen = []
     for name in ("rms_norm", "fused_add_rms_norm"):
@@ -119,12 +119,11 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
         return real_prologue(*args)
     monkeypatch.setattr(kernels, "qk_norm_rope_store", prologue_spy)
     bind_kv_cache(model, 2, 16, torch.float32, "cpu")
-    from engine.attention_context import prefill_context, reset_context, set_context
+    from engine.attention_context import forward_context
+    from phases.harness import prefill_context
     positions, ctx = prefill_context([5], [0], [[0]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (5,)), positions)
-    reset_context()
     expected = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -136,21 +135,17 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
 
 
 def test_decode_step_of_a_decoder_layer_has_no_clone_and_no_host_sync(monkeypatch):
-    from engine.attention_context import decode_context, prefill_context, reset_context, set_context
-    from phases.harness import assert_no_host_sync_and_no_copies, count_step
+    from engine.attention_context import forward_context
+    from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
-    layer = QwenDecoderLayer(engine_config("Qwen3ForCausalLM"), TPGroup())
+    layer = DenseDecoderLayer(engine_config("Qwen3ForCausalLM"), TPGroup())
     randomize_weights(layer, seed=7)
     bind_kv_cache(layer, 2, 16, torch.float32, "cpu")
     width = layer.input_layernorm.weight.shape[0]
     positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         layer(positions, torch.randn(12, width), None)
     hidden, residual = torch.randn(2, width), torch.randn(2, width)
     positions, ctx = decode_context([9, 5], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         assert_no_host_sync_and_no_copies(count_step(lambda: layer(positions, hidden, residual), monkeypatch))
-    finally:
-        reset_context()

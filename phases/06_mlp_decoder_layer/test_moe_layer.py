@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from engine.config import DeepseekConfig, QwenMoeConfig
 from engine.distributed import TPGroup
 from engine.layers import moe as moe_module
-from engine.layers.moe import GatedSharedExpertMoE, MoE
+from engine.layers.moe import EXPERT_PARAMS, GatedSharedExpertMoE, MoE
 from engine.loader import load_weights
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from phases.checkpoints import V2_LITE, randomize_weights
@@ -74,7 +74,7 @@ def engine_moe(variant, hf, ep=TPGroup(name="ep"), tp=TPGroup()):
     ours = block(config.hidden_size, moe_config.from_model_config(config), tp, ep)
     holder = nn.Module()
     holder.packed_modules = DeepseekV2ForCausalLM.packed_modules
-    holder.expert_params = DeepseekV2ForCausalLM.expert_params
+    holder.expert_params = EXPERT_PARAMS
     holder.m = ours
     load_weights(holder, (("m." + n, t) for n, t in published_tensors(hf)), progress=False)
     return ours

@@ -2,19 +2,24 @@
 import pytest
 import torch
 
-from engine.attention_context import decode_context, prefill_context, reset_context, set_context
+from engine.attention_context import forward_context
 from engine.kv_cache import bind_kv_cache
-from phases.harness import OpCounter, assert_no_host_sync_and_no_copies, count_step, load_engine_model
+from phases.harness import (
+    OpCounter,
+    assert_no_host_sync_and_no_copies,
+    count_step,
+    decode_context,
+    load_engine_model,
+    prefill_context,
+)
 
 
 def model_and_prefill(tiny_checkpoint, arch="Qwen3ForCausalLM"):
     model = load_engine_model(tiny_checkpoint(arch, seed=11))
     bind_kv_cache(model, 4, 16, torch.float32, "cpu")
     positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")
-    set_context(ctx)
-    with torch.no_grad():
+    with forward_context(ctx), torch.no_grad():
         model(torch.arange(2, 12), positions)
-    reset_context()
     return model
 
 
@@ -22,11 +27,8 @@ def count_decode_ops(model, monkeypatch) -> OpCounter:
     """What one decode step does (inputs and context built before)."""
     positions, ctx = decode_context([8, 4], [[0], [1]], 16, "cpu")
     ids = torch.tensor([5, 6])
-    set_context(ctx)
-    try:
+    with forward_context(ctx):
         return count_step(lambda: model.compute_logits(model(ids, positions)), monkeypatch)
-    finally:
-        reset_context()
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM",

@@ -187,7 +187,7 @@ def test_runner_hints_give_the_same_tokens(case):
     plain = Sampler(TPGroup())(*args)
     rows = (temperatures > 0).nonzero()[:, 0]
     ks = top_ks[rows].tolist()
-    hinted = Sampler(TPGroup())(*args, sampled_rows=rows,
+    hinted = Sampler(TPGroup())(*args, random_rows=rows,
                                 max_top_k=max(ks) if ks and min(ks) > 0 else None,
                                 use_top_k=bool(ks) and max(ks) > 0, use_top_p=bool((top_ps[rows] < 1).any()))
     assert torch.equal(plain, hinted)

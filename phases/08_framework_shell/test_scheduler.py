@@ -41,11 +41,24 @@ def expected_finish(seq: Sequence, token: int, max_model_len: int) -> str | None
     return None
 
 
+class Freed(list):
+    """An ``on_free`` callback recording the sequences whose blocks the scheduler freed;
+    ``take()`` returns them and forgets them."""
+
+    def __call__(self, seq: Sequence) -> None:
+        self.append(seq)
+
+    def take(self) -> list[Sequence]:
+        taken = list(self)
+        self.clear()
+        return taken
+
+
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                    admission="watermark"):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_id=EOS,
-                     admission=admission), bm
+                     admission=admission, on_free=Freed()), bm
 
 
 def entries(batch: ScheduledBatch) -> list[tuple[str, int, int]]:
@@ -192,7 +205,7 @@ class StepChecker:
                 assert seq.finish_reason == reason and (seq in result.finished) == (reason is not None)
             assert seq.output_token_ids == got, "output tokens lost or duplicated"
         assert result.appended == appended
-        in_flight = [s for b in sched._in_flight for s in b.seqs]
+        in_flight = [s for b in sched.in_flight for s in b.seqs]
         held = {b for s in [*sched.running, *in_flight] for b in s.block_table}
         assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
         assert bm.num_free_blocks == bm.num_blocks - len(held), "blocks leaked or over-committed"
@@ -245,7 +258,7 @@ def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, bu
     budget = max(max_num_seqs, max_model_len + budget_slack)
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission)
+    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission, on_free=Freed())
     check = StepChecker(sched, block_size)
     families = [[rng.randint(1, 5) for _ in range(8)] for _ in range(3)]
     seqs = [Sequence(families[r["family"]][:r["shared"]] + r["tail"],
@@ -265,7 +278,7 @@ def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, bu
         take_freed()
 
     def take_freed():
-        freed.extend((s.request_id, s.is_finished) for s in sched.take_freed())
+        freed.extend((s.request_id, s.is_finished) for s in sched.on_free.take())
 
     accepted, done, freed = [], [], []
     in_flight = None
@@ -345,7 +358,7 @@ def test_status_transitions_and_finish_reasons():
     assert capped.num_tokens == 8  # stopped at max_model_len
     assert all(s.status is S.FINISHED and not s.block_table for s in seqs)
     assert not sched.has_unfinished() and len(sched.schedule()) == 0
-    assert bm.num_free_blocks == bm.num_blocks and sched.take_freed() == seqs
+    assert bm.num_free_blocks == bm.num_blocks and sched.on_free.take() == seqs
 
 
 @pytest.mark.parametrize("admission", ["watermark", "reserve"])
@@ -380,11 +393,11 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     held = bm.num_free_blocks
     assert sched.abort(waiting.request_id) and waiting.finish_reason == "abort"
     assert sched.abort(running.request_id) and running.status is S.FINISHED
-    assert bm.num_free_blocks == held and sched.take_freed() == [waiting]  # still being computed
+    assert bm.num_free_blocks == held and sched.on_free.take() == [waiting]  # still being computed
     assert not sched.abort(running.request_id) and not sched.abort("unknown")
     assert sched.postprocess(batch, [1]).appended == []  # aborted after schedule: no token
     assert running.output_token_ids == [] and running.block_table == [] and bm.num_free_blocks == 8
-    assert sched.take_freed() == [running] and not sched.has_unfinished()
+    assert sched.on_free.take() == [running] and not sched.has_unfinished()
 
 
 def test_abort_in_flight_never_lets_a_prefix_hit_land_on_uncomputed_blocks():
@@ -430,10 +443,10 @@ def test_lookahead_token_of_a_finished_sequence_is_dropped():
     second = sched.schedule()
     result = sched.postprocess(first, [EOS])
     assert result.finished == [seq] and seq.output_token_ids == [EOS] and seq.finish_reason == "stop"
-    assert seq.block_table and sched.take_freed() == [] and not sched.has_unfinished()
+    assert seq.block_table and sched.on_free.take() == [] and not sched.has_unfinished()
     result = sched.postprocess(second, [7])
     assert result.appended == [] and seq.output_token_ids == [EOS] and seq.num_pending_tokens == 0
-    assert seq.block_table == [] and bm.num_free_blocks == 8 and sched.take_freed() == [seq]
+    assert seq.block_table == [] and bm.num_free_blocks == 8 and sched.on_free.take() == [seq]
 
 
 def test_a_sequence_whose_pending_tokens_end_it_is_not_scheduled_again():
@@ -567,7 +580,7 @@ def test_watermark_admission_preempts_the_newest_and_recomputes_it():
     batch = sched.schedule()  # a takes the last free block; b finds none
     assert batch.seqs == [a] and sched.preempted == [b] and sched.num_preemptions == 1
     assert b.status is S.WAITING and b.block_table == [] and list(sched.waiting) == [b, late]
-    assert b.output_token_ids == [5, 5] and sched.take_freed() == [b]
+    assert b.output_token_ids == [5, 5] and sched.on_free.take() == [b]
     sched.postprocess(batch, [5])
     batch = sched.schedule()
     assert batch.seqs == [a]  # b's 2 blocks + the watermark do not fit yet

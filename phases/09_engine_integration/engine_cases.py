@@ -41,8 +41,7 @@ def assert_no_block_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     assert not any(bm.ref_counts)
-    rows = getattr(engine.runner, "_row_of", {})
-    assert not rows, f"block-table rows still held by {sorted(rows)}"
+    assert not engine.runner.held, f"runner state (block-table rows, caches) still held by {sorted(engine.runner.held)}"
 
 
 def shrink_kv_pool(engine, num_blocks: int) -> None:
@@ -57,4 +56,4 @@ def shrink_kv_pool(engine, num_blocks: int) -> None:
     engine.block_manager = BlockManager(num_blocks, old.block_manager.block_size,
                                         old.block_manager.enable_prefix_caching)
     engine.scheduler = Scheduler(engine.block_manager, old.max_num_seqs, old.max_num_batched_tokens, old.max_model_len,
-                                 old.eos_token_ids, old.admission, old.watermark, old.drafter)
+                                 old.eos_token_ids, old.admission, old.watermark, old.drafter, old.on_free)

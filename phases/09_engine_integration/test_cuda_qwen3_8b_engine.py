@@ -72,11 +72,10 @@ def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path)
     rid = engine.add_request(prompts[0], params)
     engine.step()  # prefill
     engine.step()  # a decode step: its inputs stay in the runner's static buffers
-    from engine.attention_context import reset_context, set_context
+    from engine.attention_context import forward_context
     with torch.inference_mode():
-        input_ids, positions, ctx = runner._decode_inputs(1, runner.max_blocks_per_seq)
-        set_context(ctx)
-        try:
+        input_ids, positions, ctx = runner.decode_context(1, runner.max_blocks_per_seq)
+        with forward_context(ctx):
             for _ in range(3):
                 runner.model.compute_logits(runner.model(input_ids, positions)).argmax(-1)
             torch.cuda.synchronize()
@@ -85,8 +84,6 @@ def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path)
                 runner.model.compute_logits(runner.model(input_ids, positions)).argmax(-1)
             torch.cuda.synchronize()
             bare_tok_s = TIMED_TOKENS / (time.perf_counter() - start)
-        finally:
-            reset_context()
     engine.abort_request(rid)
     engine.step()
     print("QWEN3_8B_ENGINE " + json.dumps({"divergence": report, "engine_loop_b1_tok_s": round(loop_tok_s, 1),

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy
 
@@ -65,7 +66,6 @@ def test_held_out_loss_matches_transformers(engine):
 
 def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, through the runner's own prefill path."""
-    from engine.attention_context import reset_context, set_context
     from engine.scheduler import ScheduledBatch
     from engine.sequence import Sequence
 
@@ -73,12 +73,11 @@ def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
     engine.block_manager.allocate(seq)
     batch = ScheduledBatch([seq], [0], [len(ids)], [True])  # the whole prompt in one chunk
     try:
-        input_ids, positions, ctx, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
-        set_context(ctx)
         with torch.inference_mode():
-            return runner.model.compute_logits(runner.model(input_ids, positions))
+            step = runner.prepare(batch)
+            step.logits_indices = None  # every position's logits, not only the last token's
+            return runner.forward(step)
     finally:
-        reset_context()
         runner.release(seq)
         engine.block_manager.free(seq)
 

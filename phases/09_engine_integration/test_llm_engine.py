@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine.llm_engine import LLMEngine
-from engine.models.qwen import QwenForCausalLM
+from engine.models.dense import DenseForCausalLM
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
@@ -89,7 +89,7 @@ def test_routes_by_architecture(checkpoints, engines, tmp_path):
     """Qwen2 / Qwen3 (and the Qwen2-VL names) go to the Qwen runner with the right features;
     unknown architectures, broken directories and impossible lengths are clear errors."""
     q3, q2 = engines["Qwen3ForCausalLM"].runner.model, engines["Qwen2ForCausalLM"].runner.model
-    assert isinstance(q3, QwenForCausalLM) and isinstance(q2, QwenForCausalLM)
+    assert isinstance(q3, DenseForCausalLM) and isinstance(q2, DenseForCausalLM)
     assert q3.model.layers[0].self_attn.q_norm is not None and q2.model.layers[0].self_attn.q_norm is None
     assert q2.model.layers[0].self_attn.qkv_proj.bias is not None
 
@@ -144,7 +144,7 @@ def test_generate_terminates_when_nothing_can_run(engines, greedy):
     """A request the idle engine cannot schedule is rejected, never left waiting forever."""
     engine = engines["Qwen3ForCausalLM"]
     rid = engine.add_request([3, 4, 5], greedy)
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     engine.scheduler.max_num_seqs = 0  # now it can never be admitted
     try:
         out = [o for o in engine.step() if o.request_id == rid]
@@ -309,19 +309,23 @@ def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greed
     with pytest.raises(ValueError, match="unsupported architecture 'Qwen3ForCausalLMExperimental'"):
         LLMEngine(path, **ENGINE_ARGS)
     forced = LLMEngine(path, inference_backend="qwen_tp", **ENGINE_ARGS)
-    assert type(forced.runner.model) is QwenForCausalLM
+    assert type(forced.runner.model) is DenseForCausalLM
     prompts = prompts_with_shared_prefix(seed=10)[:3]
     assert forced.generate_tokens(prompts, greedy) == engines["Qwen3ForCausalLM"].generate_tokens(prompts, greedy)
 
 
 def test_request_progress_follows_the_output(engines, greedy):
-    """request_progress (what a streaming loop polls) agrees with request_output at every step."""
+    """The deltas a streaming loop reads after each step (request_output from its cursor on)
+    add up to request_output at every step."""
     engine = engines["Qwen2ForCausalLM"]
     rid = engine.add_request("the quick brown fox", greedy)
+    text, num_tokens = "", 0
     while engine.has_unfinished_requests():
         engine.step()
+        delta = engine.request_output(rid, tokens_from=num_tokens, text_from=len(text))
+        text, num_tokens = text + delta.text, num_tokens + len(delta.token_ids)
         out = engine.request_output(rid)
-        assert engine.request_progress(rid) == (out.text, len(out.token_ids), out.finished)
+        assert (text, num_tokens, delta.finished) == (out.text, len(out.token_ids), out.finished)
     engine.pop_request(rid)
     assert_no_block_leaks(engine)
 
@@ -335,13 +339,13 @@ def test_a_request_whose_text_fails_fails_alone(engines, monkeypatch):
     free = engine.generate_tokens([engine.tokenizer.encode(w, add_special_tokens=False) for w in words], params)
     texts = engine.generate(words, max_new_tokens=MAX_NEW, ignore_eos=True)
     poison = next(t for t in free[1] if t not in free[0] + free[2])
-    real = engine.outputs._decode
+    real = engine.outputs.decode
 
     def decode(id_lists):
         if any(poison in ids for ids in id_lists):
             raise RuntimeError("the tokenizer failed")
         return real(id_lists)
-    monkeypatch.setattr(engine.outputs, "_decode", decode)
+    monkeypatch.setattr(engine.outputs, "decode", decode)
     ids = [engine.add_request(w, params) for w in words]
     while engine.has_unfinished_requests():
         engine.step()

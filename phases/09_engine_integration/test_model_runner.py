@@ -3,7 +3,7 @@ flight and its tokens are fed on the device), mixed steps, the eager decode gate
 import pytest
 import torch
 
-from engine.attention_context import reset_context, set_context
+from engine.attention_context import forward_context
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
@@ -34,7 +34,7 @@ def start_decoding(engine, prompts, max_tokens=20):
     ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     for _ in range(2):
         engine.step()
-    return [engine._requests[i] for i in ids]
+    return [engine.sequence(i) for i in ids]
 
 
 def finish(engine):
@@ -55,39 +55,39 @@ def expected_slot(seq, position):
 
 
 def staged_decode(engine):
-    """Schedule the next (decode) batch and stage it in the static buffers as a decode step
-    does: (batch, input_ids, positions, context); ``complete`` runs and postprocesses it."""
-    runner = engine.runner
+    """Schedule the next (decode) batch and prepare it as a decode step does, in the static
+    buffers, over the whole table width as a graph runs it: (batch, its ForwardBatch);
+    ``complete`` runs and postprocesses it."""
     batch = engine.scheduler.schedule()
     assert batch.is_decode
-    runner._stage_decode(batch, runner.plan(batch, None), len(batch), None)
-    return (batch, *runner._decode_inputs(len(batch), runner.max_blocks_per_seq))
+    return batch, engine.runner.prepare(batch, decode_size=len(batch))
 
 
 def complete(engine, batch):
-    engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+    engine.postprocess(engine.runner.launch(batch))
 
 
 class ForwardRecorder:
     """Records every forward the runner runs: its batch with each sequence's block table at
-    launch, and clones of its input ids, positions and context tensors taken when the forward
-    runs (before later steps overwrite them)."""
+    launch, and clones of its input ids, positions and attention context tensors taken when the
+    forward runs (before later steps overwrite them)."""
 
     def __init__(self, runner, monkeypatch):
         self.steps, self.launched = [], None
-        real_launch, real_forward = runner.launch, runner._forward
+        real_launch, real_forward = runner.launch, runner.forward
 
         def launch(batch, previous=None):
             self.launched = batch, [list(s.block_table) for s in batch.seqs]
             return real_launch(batch, previous)
 
-        def forward(input_ids, positions, ctx, last=None):
+        def forward(step):
+            ctx = step.attention
             fields = {name: getattr(ctx, name).clone() if isinstance(getattr(ctx, name), torch.Tensor)
                       else getattr(ctx, name) for name in vars(ctx)}
-            self.steps.append((*self.launched, input_ids.clone(), positions.clone(), fields))
-            return real_forward(input_ids, positions, ctx, last)
+            self.steps.append((*self.launched, step.input_ids.clone(), step.positions.clone(), fields))
+            return real_forward(step)
         monkeypatch.setattr(runner, "launch", launch)
-        monkeypatch.setattr(runner, "_forward", forward)
+        monkeypatch.setattr(runner, "forward", forward)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -108,8 +108,8 @@ def test_block_tables_and_decode_context_follow_the_block_manager(checkpoint, mo
     seen_mixed = seen_pending = 0
     for batch, tables, input_ids, positions, ctx in recorder.steps:
         offset = 0
-        decode_rows = len(batch) if not ctx["is_prefill"] else ctx["num_decode_tokens"]
-        seen_mixed += ctx["is_prefill"] and decode_rows > 0
+        decode_rows = len(batch) if not ctx["has_prefill"] else ctx["num_decode_tokens"]
+        seen_mixed += ctx["has_prefill"] and decode_rows > 0
         for i, (seq, table, start, n) in enumerate(zip(batch.seqs, tables, batch.starts, batch.num_tokens)):
             assert input_ids[offset:offset + n].tolist() == seq.token_ids[start:start + n]
             assert positions[offset:offset + n].tolist() == list(range(start, start + n))
@@ -123,7 +123,7 @@ def test_block_tables_and_decode_context_follow_the_block_manager(checkpoint, mo
             offset += n
     assert seen_mixed, "no step mixed decodes with prefill chunks"
     assert seen_pending, "no decode fed a sampled token"
-    assert not engine.runner._row_of
+    assert not engine.runner.held
 
 
 def test_prefill_context_skips_cached_prefix_tokens(engine):
@@ -133,11 +133,11 @@ def test_prefill_context_skips_cached_prefix_tokens(engine):
     start_decoding(engine, [shared + [1]], max_tokens=2)
     finish(engine)
     rid = engine.add_request(shared + [2, 3], SamplingParams(temperature=0.0, max_tokens=2))
-    seq = engine._requests[rid]
+    seq = engine.sequence(rid)
     batch = engine.scheduler.schedule()
     assert batch.seqs == [seq] and batch.starts == [20] and batch.num_tokens == [2] and seq.num_cached_tokens == 20
-    runner = engine.runner
-    input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
+    step = engine.runner.prepare(batch)
+    input_ids, positions, ctx, last = step.input_ids, step.positions, step.attention, step.logits_indices
     assert input_ids.tolist() == [2, 3] and positions.tolist() == [20, 21]
     assert ctx.slot_mapping.tolist() == [expected_slot(seq, 20), expected_slot(seq, 21)]
     assert ctx.prefill_kv_slots.tolist() == [expected_slot(seq, p) for p in range(22)]
@@ -154,12 +154,12 @@ def test_mixed_step_puts_decode_rows_first(engine):
     (decoding,) = start_decoding(engine, [list(range(2, 9))])
     rid = engine.add_request(list(range(60, 66)), greedy())
     batch = engine.scheduler.schedule()
-    prefilling = engine._requests[rid]
+    prefilling = engine.sequence(rid)
     assert batch.seqs == [decoding, prefilling] and batch.num_tokens == [1, 6]
-    runner = engine.runner
-    input_ids, positions, ctx, last, *_ = runner.prepare_mixed(batch, runner.plan(batch, None), None)
+    step = engine.runner.prepare(batch)
+    input_ids, positions, ctx, last = step.input_ids, step.positions, step.attention, step.logits_indices
     pos = decoding.num_tokens - 2  # its newest token (this step appends a pending one)
-    assert ctx.is_prefill and ctx.num_decode_tokens == 1
+    assert ctx.has_prefill and ctx.num_decode_tokens == 1
     assert input_ids.tolist() == [decoding.last_token_id, *range(60, 66)]
     assert positions.tolist() == [pos, *range(6)]
     assert ctx.context_lens.tolist() == [pos + 1]
@@ -186,7 +186,7 @@ def test_one_token_prefill_chunks_beside_a_decode_read_their_own_tokens(checkpoi
         batch = engine.scheduler.schedule()
         chunks += [start for seq, start in zip(batch.seqs, batch.starts)
                    if seq.request_id == second and start < len(prompts[1])]
-        engine.scheduler.postprocess(batch, engine.runner.launch(batch).token_ids())
+        engine.postprocess(engine.runner.launch(batch))
     assert chunks == list(range(len(prompts[1])))  # one token per step, beside the decode
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     for rid, prompt, new in ((first, prompts[0], 12), (second, prompts[1], 4)):
@@ -198,12 +198,11 @@ def decode_forward_ops(engine, monkeypatch):
     """Op counts of one decode forward of the model as the runner sets it up."""
     runner = engine.runner
     seqs = start_decoding(engine, [list(range(2, 12)), [5, 6, 7]])
-    batch, input_ids, positions, ctx = staged_decode(engine)
-    set_context(ctx)
+    batch, step = staged_decode(engine)
     try:
-        ops = count_step(lambda: runner.model(input_ids, positions), monkeypatch)
+        with forward_context(step.attention):
+            ops = count_step(lambda: runner.model(step.input_ids, step.positions), monkeypatch)
     finally:
-        reset_context()
         monkeypatch.undo()  # the counter stops recording host reads here
     complete(engine, batch)
     abort_all(engine, seqs)
@@ -224,10 +223,10 @@ def test_decode_inputs_live_in_static_buffers(engine):
     """Decode input tensors are views of buffers allocated once (what phase 11 captures)."""
     runner = engine.runner
     seqs = start_decoding(engine, [[4, 5, 6], [7, 8]])
-    buffers = (runner.decode_inputs.data_ptr(), runner.decode_tables.data_ptr())
-    batch, input_ids, positions, ctx = staged_decode(engine)
-    assert input_ids.data_ptr() == buffers[0] and ctx.block_tables.data_ptr() == buffers[1]
-    assert positions.untyped_storage().data_ptr() == runner.decode_inputs.untyped_storage().data_ptr()
+    buffers = (runner.decode_inputs.buffer.data_ptr(), runner.decode_tables.data_ptr())
+    batch, step = staged_decode(engine)
+    assert step.input_ids.data_ptr() == buffers[0] and step.attention.block_tables.data_ptr() == buffers[1]
+    assert step.positions.untyped_storage().data_ptr() == runner.decode_inputs.buffer.untyped_storage().data_ptr()
     complete(engine, batch)
     abort_all(engine, seqs)
 
@@ -238,17 +237,16 @@ def test_padded_decode_rows_are_harmless(engine):
     equal to the unpadded step's; over the full block-table width as a graph sees it."""
     runner = engine.runner
     seqs = start_decoding(engine, [list(range(2, 9)), [5, 6, 7, 8, 9, 10, 11, 12, 13]])
-    batch, *inputs = staged_decode(engine)
-    plan = runner.plan(batch, None)
+    batch, step = staged_decode(engine)
     with torch.inference_mode():
-        expected = runner._forward(*inputs)
+        expected = runner.forward(step)
         caches = [c.clone() for c in runner.kv_caches]
-        size = runner.decode_inputs.shape[1]  # max_num_seqs: two real rows, two padding rows
-        runner._stage_decode(batch, plan, size, None)
-        input_ids, positions, ctx = runner._decode_inputs(size, runner.max_blocks_per_seq)
+        size = runner.decode_inputs.buffer.shape[1]  # max_num_seqs: two real rows, two padding rows
+        step = runner.prepare(batch, decode_size=size)
+        ctx = step.attention
         assert ctx.slot_mapping[len(seqs):].tolist() == [-1] * (size - len(seqs))
         assert ctx.context_lens[len(seqs):].tolist() == [1] * (size - len(seqs))
-        padded = runner._forward(input_ids, positions, ctx)
+        padded = runner.forward(step)
     torch.testing.assert_close(padded[:len(seqs)], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(padded).all()
     real_slots = [expected_slot(s, start) for s, start in zip(batch.seqs, batch.starts)]

@@ -60,7 +60,8 @@ def run(engine, prompts, params, abort_after: dict[int, int]) -> list[tuple]:
     while engine.has_unfinished_requests():
         engine.step()
         for i, count in abort_after.items():
-            _, produced, finished = engine.request_progress(ids[i])
+            out = engine.request_output(ids[i])
+            produced, finished = len(out.token_ids), out.finished
             if produced >= count and not finished:
                 assert produced == count, "a step read back two tokens of one request"
                 assert engine.abort_request(ids[i])
@@ -133,16 +134,16 @@ def test_mixed_step_logits_equal_separate_prefill_and_decode(checkpoints, arch):
     prefilling = engine.add_request(list(range(70, 83)), greedy)
     cached = engine.add_request(shared + [4, 5, 6], greedy)
     batch = engine.scheduler.schedule()
-    seqs = [engine._requests[r] for r in (decoding, prefilling, cached)]
+    seqs = [engine.sequence(r) for r in (decoding, prefilling, cached)]
     assert batch.seqs == seqs and batch.num_tokens == [1, 13, 3] and batch.starts[2] == 20
     runner = engine.runner
     with torch.inference_mode():
-        logits = runner._mixed_step(batch, runner.plan(batch, None), None)[0]
+        logits = runner.forward(runner.prepare(batch))
     with torch.no_grad():
         contexts = [seqs[0].token_ids, seqs[1].prompt_token_ids, seqs[2].prompt_token_ids]
         expected = torch.stack([hf(torch.tensor([c])).logits[0, -1] for c in contexts])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    engine.scheduler.postprocess(batch, runner.launch(batch).token_ids())
+    engine.postprocess(runner.launch(batch))
     for rid in (decoding, prefilling, cached):
         engine.abort_request(rid)
     engine.step()

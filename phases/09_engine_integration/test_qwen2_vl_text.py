@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.llm_engine import LLMEngine
-from engine.models.qwen import QwenVLTextForCausalLM
+from engine.models.dense import QwenVLTextForCausalLM
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix
 from phases.checkpoints import randomize_weights, write_tokenizer

@@ -47,7 +47,7 @@ def run(engine, prompts, steps=None):
         if steps is not None:
             del engine.runner.launch
     for rid in ids:
-        assert engine.outputs.streamed_token_ids(rid) == engine._requests[rid].output_token_ids, \
+        assert engine.outputs.streamed_token_ids(rid) == engine.sequence(rid).output_token_ids, \
             "a token streamed twice"
     return [engine.pop_request(rid).token_ids for rid in ids]
 
@@ -95,7 +95,7 @@ def test_chunked_prefill_and_preemption_on_the_hf_backend(cases):
     assert run(engine, prompts[:6]) == cases["Qwen3ForCausalLM"][2][:6]
     assert engine.scheduler.num_preemptions > 0
     assert_no_block_leaks(engine)
-    assert not engine.runner._caches
+    assert not engine.runner.held
 
 
 def test_reserve_admission_from_the_command_line(cases):

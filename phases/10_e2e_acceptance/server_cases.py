@@ -96,7 +96,7 @@ def wait_idle(engine_loop: EngineLoop, timeout: float = HANG_GUARD_S) -> None:
         assert time.monotonic() < deadline, "the engine never became idle"
         time.sleep(0.05)
     engine_loop.call(engine_cases.assert_no_block_leaks)
-    held = engine_loop.call(lambda e: sorted(e._requests))
+    held = engine_loop.call(lambda e: sorted(e.request_ids()))
     assert not held, f"the server left requests {held} in the engine"
 
 

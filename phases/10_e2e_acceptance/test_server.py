@@ -382,12 +382,12 @@ def test_a_failed_step_is_fatal_under_tensor_parallelism():
     stopping every rank is safe (a peer may be spinning in a captured all-reduce)."""
     from types import SimpleNamespace
 
-    from engine.server.engine_loop import _step
+    from engine.server.engine_loop import run_step
 
     def failing_step():
         raise RuntimeError("boom")
 
-    error = _step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
+    error = run_step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
     assert "RuntimeError: boom" in error
     with pytest.raises(RuntimeError, match="boom"):
-        _step(SimpleNamespace(tp=SimpleNamespace(size=2), step=failing_step))
+        run_step(SimpleNamespace(tp=SimpleNamespace(size=2), step=failing_step))

@@ -130,14 +130,14 @@ def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
             def fail():
                 raise RuntimeError("injected failure on rank 0")
 
-            running.engine_loop._take_commands = fail  # the next iteration fails
+            running.engine_loop.take_commands = fail  # the next iteration fails
             with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0,
                                timeout=STOP_TIMEOUT_S) as client:
                 with pytest.raises(openai.APIStatusError) as e:
                     client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=50, **GREEDY)
             assert e.value.status_code == 503
             assert isinstance(running.engine_loop.failure, RuntimeError)
-            running.engine_loop._thread.join(STOP_TIMEOUT_S)
+            running.engine_loop.join(STOP_TIMEOUT_S)
             assert not running.engine_loop.alive
             deadline = time.monotonic() + HANG_GUARD_S  # on_exit only queues done.set on the HTTP loop
             while not running.server.done.is_set() and time.monotonic() < deadline:

@@ -2,9 +2,9 @@
 tiny Qwen3's and a tiny V2-Lite's decode logits equal those of the unfused path (which the
 earlier phases check against transformers), and the launches they fuse are gone from the step.
 
-The decode GEMV is a CUDA path (``kernels.decode_gemv_applies`` needs a CUDA tensor and
-``AGENT_INFER_DECODE_GEMV=1``); here it is switched on for CPU rows, so the layers hand their
-rows to ``kernels.decode_gemv`` on the torch reference backend: this checks the wiring (which
+The decode GEMV is a CUDA path (a layer built on CUDA with ``AGENT_INFER_DECODE_GEMV=1`` holds
+``decode_gemv_rows = 8``, ``kernels.decode_gemv_rows``); here the CPU model's layers are given it,
+so they hand their rows to ``kernels.decode_gemv`` on the torch reference backend: this checks the wiring (which
 weight, which activation, which dtype); phase 01 checks the kernels against float64.
 """
 from __future__ import annotations
@@ -48,7 +48,9 @@ def test_decode_gemv_gives_the_unfused_logits_and_launches_no_activation(model, 
     unfused = decode_logits(model)
     gemv_calls, silu_calls = [], []
     real_gemv, real_silu = kernels.decode_gemv, kernels.silu_and_mul
-    monkeypatch.setattr(kernels, "decode_gemv_applies", lambda x: x.dim() == 2 and x.shape[0] <= 8)
+    for module in model.modules():
+        if hasattr(module, "decode_gemv_rows"):
+            monkeypatch.setattr(module, "decode_gemv_rows", kernels.DECODE_GEMV_MAX_ROWS)
     monkeypatch.setattr(kernels, "decode_gemv",
                         lambda x, w, bias=None, activation=None: gemv_calls.append((x.shape[0], activation))
                         or real_gemv(x, w, bias, activation))

@@ -51,7 +51,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params, abort_after: dict[i
     while engine.has_unfinished_requests():
         engine.step()
         for i, rid in enumerate(ids):
-            _, count, finished = engine.request_progress(rid)
+            out = engine.request_output(rid)
+            count, finished = len(out.token_ids), out.finished
             if count > sum(runs[rid]):
                 runs[rid].append(count - sum(runs[rid]))
                 if len(runs[rid]) == abort_after.get(i) and not finished:

@@ -13,7 +13,8 @@ import torch
 import spec_cases as cases
 from engine.bench.spec import edit_workload
 from engine.engine_args import EngineArgs
-from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 from spec_cases import SPEC, VOCAB, assert_no_block_leaks, expected_runs, repeating_prompts, run, shrink_kv_pool
@@ -196,17 +197,16 @@ def test_verify_rows_logits_equal_transformers(checkpoints, arch, mixed):
     batch = engine.scheduler.schedule()
     assert all(batch.drafts[:2]) and batch.is_decode != mixed
     runner = engine.runner
-    plan = runner.plan(batch, None)
     with torch.inference_mode():
-        logits = (runner._mixed_step if mixed else runner._decode_step)(batch, plan, None)[0]
+        logits = runner.forward(runner.prepare(batch))
     contexts = [seq.token_ids for seq in batch.seqs]
     contexts += [batch.seqs[i].token_ids + batch.drafts[i][:j + 1] for i, draft in enumerate(batch.drafts)
                  for j in range(len(draft))]
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([c])).logits[0, -1] for c in contexts])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    engine.scheduler.postprocess(batch, runner.launch(batch).token_ids())
-    for rid in engine._requests:
+    engine.postprocess(runner.launch(batch))
+    for rid in engine.request_ids():
         engine.abort_request(rid)
     assert_no_block_leaks(engine)
 

@@ -9,7 +9,8 @@ defines it) of its logits, the third token's marginalised over the second."""
 import pytest
 import torch
 
-from engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
 NUM_DRAWS = 2000

@@ -148,7 +148,6 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
                     sched.add(seqs[i])
             if r["abort_at"] == step and i in seqs:
                 sched.abort(seqs[i].request_id)
-        sched.take_freed()
         batch = sched.schedule()
         if batch.seqs:
             d, a = run_verify_step(sched, kv, batch, noise, noisy, budget, max_model_len)
@@ -221,7 +220,7 @@ def test_acceptance_appends_the_accepted_drafts_and_the_next_token():
         assert seq.output_token_ids == [1] + run and result.num_new == [len(run)]
         assert seq.num_computed_tokens == 12 + len(run) and len(seq.block_table) == blocks(12 + len(run), 2)
         assert (seq.num_draft_tokens, seq.num_accepted_tokens) == (4, len(run) - 1)
-        assert bm._num_published[seq.request_id] == (12 + len(run)) // 2
+        assert bm.num_published(seq) == (12 + len(run)) // 2
 
 
 def test_a_token_that_ends_the_sequence_cuts_the_accepted_run():
@@ -251,6 +250,6 @@ def test_postprocess_wants_one_id_per_sampled_row(num_rows):
     seq = Sequence([1, 2, 3, 4] * 3, SamplingParams(max_tokens=16, ignore_eos=True))
     prefill(sched, seq, first=1)
     batch = sched.schedule()
-    assert batch.num_rows == 5 and batch.row_seqs == [seq] * 5
+    assert batch.num_logits_rows == 5 and batch.logits_row_seqs == [seq] * 5
     with pytest.raises(ValueError, match="5 sampled rows"):
         sched.postprocess(batch, [1] * num_rows)

@@ -1,6 +1,7 @@
-"""Qwen2 / Qwen3 dense decoder (GQA attention, SwiGLU MLP, RMSNorm, neox RoPE), which is also
-Llama 3.x's and Mistral's: the same layer with no QKV bias and no q/k norm (config.json says
-which), Llama 3.1's RoPE scaling in the shared cos/sin table."""
+"""The dense decoder family: Qwen2, Qwen3, Llama 3.x and Mistral are one model — grouped-query
+attention (QKV bias for Qwen2, per-head q/k norm for Qwen3, neither for Llama and Mistral:
+config.json says which), neox RoPE (Llama 3.1's scaling in the shared cos/sin table), RMSNorm and
+a SwiGLU MLP; Qwen2-VL's language model is it too, text only."""
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,12 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.decoder import CausalLM, DecoderLayer
 
+# checkpoint projection -> (merged parameter, shard): q/k/v into GQAAttention's QKV GEMM, gate/up into SwiGLU's
+PACKED_MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-class QwenAttention(nn.Module):
+
+class GQAAttention(nn.Module):
     """hidden [T, H] -> [T, H]: one QKV GEMM; (Qwen3) per-head q/k RMSNorm, neox RoPE and the
     K/V cache write in one op (``kernels.qk_norm_rope_store``); paged attention; o_proj with
     one all-reduce. Attention is full causal: a checkpoint with a sliding window that can bind
@@ -56,31 +61,28 @@ class QwenAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class QwenDecoderLayer(DecoderLayer):
-    """The shared pre-norm layer with Qwen's attention and a SwiGLU MLP."""
+class DenseDecoderLayer(DecoderLayer):
+    """The shared pre-norm layer with grouped-query attention and a SwiGLU MLP."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup):
-        super().__init__(QwenAttention(config, tp), SwiGLUMLP(config.hidden_size, config.intermediate_size, tp), config)
+        super().__init__(GQAAttention(config, tp), SwiGLUMLP(config.hidden_size, config.intermediate_size, tp), config)
 
 
-class QwenForCausalLM(CausalLM):
+class DenseForCausalLM(CausalLM):
     """Qwen2ForCausalLM / Qwen3ForCausalLM, LlamaForCausalLM / MistralForCausalLM
     (``CausalLM``'s forward and compute_logits).
     Checkpoint q/k/v and gate/up tensors load into the merged projections through
     ``packed_modules``.
     """
 
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = PACKED_MODULES
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         tp = tp or get_tp_group()
-        super().__init__(config, (QwenDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)), tp)
+        super().__init__(config, (DenseDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)), tp)
 
 
-class QwenVLTextForCausalLM(QwenForCausalLM):
+class QwenVLTextForCausalLM(DenseForCausalLM):
     """The language model of Qwen2-VL / Qwen2.5-VL, text only: the vision tower's tensors are
     skipped, and a checkpoint's ``model.language_model.*`` names (transformers 5) load like
     ``model.*``. With text-only input all three M-RoPE position ids are equal, so M-RoPE is

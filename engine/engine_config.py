@@ -1,0 +1,197 @@
+"""The engine's options resolved once into a frozen ``EngineConfig``.
+
+``EngineArgs.create_engine_config()`` (``resolve`` here) turns what a caller gave — anything may
+be left to its default — into values that are all decided: the checkpoint and its model class,
+device, dtype, lengths, the pool's limits, graphs, overlap, speculation. Each section says why
+its defaults are what they are; ``LLMEngine(config)`` builds from it and decides nothing again.
+A value that cannot work is a ValueError naming the option, raised here, before any weight is
+read.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.models.dense import DenseForCausalLM
+from engine.models.registry import MODEL_CLASSES, default_dtype
+from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
+
+if TYPE_CHECKING:
+    from engine.engine_args import EngineArgs
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
+BACKENDS = ("tp", *FORCED_CLASSES, "hf")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What runs: the checkpoint in ``model_dir`` (default: the demo model shipped in
+    ``engine/default_model``, so a fresh clone runs with no download), its ``config.json``
+    (``config``), the ``backend`` and the model class it routes to (``model_class``; None for
+    "hf", transformers' own model under our scheduler), the ``dtype`` (default: float32 on CPU,
+    where every phase checks float32 against transformers; on CUDA the checkpoint's half dtype,
+    else bfloat16) and ``quantization`` ("fp8": a float checkpoint quantized at load)."""
+
+    model_dir: Path
+    config: ModelConfig
+    backend: str
+    model_class: type | None
+    dtype: torch.dtype
+    quantization: str | None
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The paged KV cache: ``block_size`` tokens per block; the pool takes at most
+    ``mem_utilization`` of the device memory free after loading, less ``reserve_bytes`` kept for
+    activations (its size is planned by the runner from the workload, ``kv_cache.plan_num_blocks``);
+    ``enable_prefix_caching`` (off for the hf backend: each sequence runs its whole prompt in
+    transformers' own cache)."""
+
+    block_size: int
+    mem_utilization: float
+    reserve_bytes: int
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """Continuous batching: at most ``max_num_seqs`` sequences run (default 256 on CUDA, where
+    batches pay; 16 on CPU, where the pool holds ``max_num_seqs x max_model_len`` tokens in host
+    memory) and a step carries at most ``max_num_batched_tokens`` tokens (at least one decode per
+    sequence: never below ``max_num_seqs``); ``max_model_len`` (default the model's
+    ``max_position_embeddings``) bounds prompt + output; ``admission`` ("watermark" or "reserve",
+    ``engine.scheduler``); ``overlap``: one step in flight while the next is scheduled (off for
+    the hf backend, which runs each step at launch, and with speculation, whose drafts need every
+    token on the host)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    admission: str
+    overlap: bool
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Where it runs: ``device`` (default ``cuda:LOCAL_RANK`` when CUDA is present, one GPU per
+    torchrun rank, else the CPU); ``cuda_graphs`` (decode replays CUDA graphs on CUDA unless
+    ``enforce_eager``); ``custom_all_reduce`` (under TP on CUDA, small all-reduces through
+    symmetric memory, else NCCL only)."""
+
+    device: torch.device
+    cuda_graphs: bool
+    custom_all_reduce: bool
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """Speculative decoding: ``method`` ("ngram", or None: off, the default — it pays only when
+    answers repeat their context) and the n-gram drafter's ``num_speculative_tokens``,
+    ``prompt_lookup_min`` and ``prompt_lookup_max`` (checked by ``NgramDrafter``)."""
+
+    method: str | None
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    def drafter(self) -> NgramDrafter | None:
+        if self.method is None:
+            return None
+        return NgramDrafter(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, decided. ``progress``: show a loading bar (default: on a terminal, on
+    rank 0)."""
+
+    model: ModelSettings
+    cache: CacheSettings
+    scheduler: SchedulerSettings
+    parallel: ParallelSettings
+    speculative: SpeculativeSettings
+    progress: bool
+
+
+def model_class_for(config: ModelConfig, backend: str) -> type | None:
+    """The model class for ``backend`` (None for "hf"): "tp" routes by ``architectures[0]``;
+    "qwen_tp" / "deepseek_tp" force that family's runner (an architecture the registry maps into
+    the family keeps its own class, e.g. Qwen2-VL's text-only variant)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"inference_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "hf":
+        return None
+    known = MODEL_CLASSES.get(config.architecture)
+    if backend == "tp":
+        if known is None:
+            raise ValueError(f"unsupported architecture {config.architecture!r} in config.json; supported: "
+                             f"{', '.join(sorted(MODEL_CLASSES))} (or inference_backend='hf', 'qwen_tp', "
+                             f"'deepseek_tp')")
+        return known
+    forced = FORCED_CLASSES[backend]
+    return known if known is not None and issubclass(known, forced) else forced
+
+
+def resolve(args: EngineArgs) -> EngineConfig:
+    """``args`` with every default decided and every value checked."""
+    model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
+    config = ModelConfig.from_model_dir(model_dir, args.quantization)
+    model_class = model_class_for(config, args.backend)
+    speculative = _speculative(args, model_class)
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = config.max_position_embeddings
+    elif not 0 < max_model_len <= config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} must be in [1, {config.max_position_embeddings}] "
+                         f"(the model's max_position_embeddings)")
+    device = _device(args.device)
+    dtype = args.dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError("dtype must be one of float32, float16, bfloat16")
+    max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else 256 if device.type == "cuda" else 16
+    ours = model_class is not None
+    progress = args.progress
+    if progress is None:
+        progress = sys.stderr.isatty() and int(os.environ.get("RANK", "0")) == 0
+    return EngineConfig(
+        ModelSettings(model_dir, config, args.backend, model_class, dtype or default_dtype(config, device),
+                      args.quantization),
+        CacheSettings(args.block_size, args.mem_utilization, args.reserve_bytes, args.enable_prefix_caching and ours),
+        SchedulerSettings(max_num_seqs, max(args.max_num_batched_tokens, max_num_seqs), max_model_len, args.admission,
+                          args.overlap and ours and speculative.method is None),
+        ParallelSettings(device, device.type == "cuda" and not args.enforce_eager, args.custom_all_reduce),
+        speculative, progress)
+
+
+def _speculative(args: EngineArgs, model_class: type | None) -> SpeculativeSettings:
+    if args.speculative not in (None, *SPECULATIVE_METHODS):
+        raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "
+                         f"got {args.speculative!r}")
+    if args.speculative is not None and model_class is None:
+        raise ValueError("speculative decoding needs our own runner: the hf backend verifies no drafts")
+    settings = SpeculativeSettings(args.speculative, args.num_speculative_tokens, args.prompt_lookup_min,
+                                   args.prompt_lookup_max)
+    settings.drafter()  # checks the drafter's options where they enter
+    return settings
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """``device``, or ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU; "cuda" without an
+    index is the current CUDA device."""
+    if device is None:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
