@@ -55,7 +55,7 @@ def _eos_token_ids(generation_config: dict, config: ModelConfig, tokenizer) -> s
     return ids
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer. A ``tokenizer_config.json`` naming the generic
     PreTrainedTokenizerFast gets exactly that (AutoTokenizer would prefer the model type's
     own tokenizer class, which rebuilds a different vocabulary for a plain tokenizer.json)."""
@@ -101,7 +101,7 @@ class LLMEngine:
         self.config, self.model_dir, self.dtype = c.model.config, c.model.model_dir, c.model.dtype
         self.device, self.overlap = c.parallel.device, c.scheduler.overlap
         self.max_model_len = c.scheduler.max_model_len
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.tp = init_tp_distributed()
         if c.parallel.custom_all_reduce:
             init_custom_all_reduce(self.device)  # a no-op for one rank or a CPU device

@@ -30,7 +30,7 @@ from typing import Any
 from engine.sequence import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from engine.server.chat_output import ChatParsing
 from engine.server.tool_parsers import tool_parser
-from engine.server.tools import ToolRequestError, call_schema, messages_for_template, validate_tools
+from engine.server.tools import ToolRequest, ToolRequestError, call_schema, messages_for_template, validate_tools
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class GenerationRequest:
     chat: bool
     logprobs: bool           # return logprobs (chat: with top_logprobs alternatives)
     structured: StructuredSpec | None = None   # what the output must match (compiled before it runs)
-    parsing: ChatParsing = ChatParsing()        # chat: how the output is read (reasoning, tool calls)
+    parsing: ChatParsing | None = None         # chat: how the output is read (None: as generated)
 
 
 class OpenAIProtocol:
@@ -155,8 +155,9 @@ class OpenAIProtocol:
         logprobs = _bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
         prompts = self._completion_prompts(body.get("prompt"))
         max_tokens = _bounded_int(body, "max_tokens", 1, MAX_SEED, None)
+        structured = self._structured(body) if _constrained(body) else None
         return self._request(body, prompts, max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, chat=False,
-                             structured=_structured_spec(body))
+                             structured=structured)
 
     def chat(self, body: dict) -> GenerationRequest:
         self._check_fields(body, CHAT_FIELDS)
@@ -167,10 +168,21 @@ class OpenAIProtocol:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         max_tokens = _bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
                                   _bounded_int(body, "max_tokens", 1, MAX_SEED, None))
+        if self.reasoning_parser is not None or _uses_agent_features(body):
+            rendered, structured, parsing = self._agent_chat(body)
+        else:
+            rendered, structured, parsing = self._render_chat(body.get("messages")), None, None
+        return self._request(body, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
+                             structured=structured, parsing=parsing)
+
+    def _agent_chat(self, body: dict) -> tuple[str, StructuredSpec | None, ChatParsing]:
+        """A chat request with tools, a tool history, a constraint or template arguments (or any
+        chat request on a server with a reasoning parser): its rendered prompt, what its output
+        must match (a forced tool call's spec, or the request's own), and how its output is read."""
         tools = self._tool_request(body)
-        rendered = self._render_chat(body.get("messages"), tools.tools, field(body, "chat_template_kwargs", dict, {}))
-        structured = _structured_spec(body)
-        reads_tools = bool(tools.tools) and tools.tool_choice != "none"
+        rendered = self._render_chat(messages_for_template(body.get("messages")), tools.tools,
+                                     field(body, "chat_template_kwargs", dict, {}))
+        structured = self._structured(body) if _constrained(body) else None
         if tools.tool_choice == "required":
             if structured is not None:
                 raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
@@ -178,11 +190,11 @@ class OpenAIProtocol:
             parser = tool_parser(self.tool_call_parser)
             structured = tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key),
                                         parser.call_suffix)
-        parsing = ChatParsing(self.tool_call_parser if reads_tools else None, self.reasoning_parser, rendered)
-        return self._request(body, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
-                             structured=structured, parsing=parsing)
+        reads_tools = bool(tools.tools) and tools.tool_choice != "none"
+        return rendered, structured, ChatParsing(self.tool_call_parser if reads_tools else None,
+                                                 self.reasoning_parser, rendered)
 
-    def _tool_request(self, body: dict):
+    def _tool_request(self, body: dict) -> ToolRequest:
         """The request's tool fields, checked; tools to read need a tool-call parser."""
         try:
             tools = validate_tools(body)
@@ -194,9 +206,17 @@ class OpenAIProtocol:
                                 "tool_choice 'none'", param="tools")
         return tools
 
+    @staticmethod
+    def _structured(body: dict) -> StructuredSpec | None:
+        """The request's ``response_format`` / ``structured_outputs`` as a spec (a 400 naming the field)."""
+        try:
+            return spec_from_request(body)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
     def _request(self, body: dict, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
                  logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
-                 parsing: ChatParsing = ChatParsing()) -> GenerationRequest:
+                 parsing: ChatParsing | None = None) -> GenerationRequest:
         self._check_model(body)
         n = _bounded_int(body, "n", 1, MAX_N, 1)
         best_of = _bounded_int(body, "best_of", 1, MAX_N, n)
@@ -273,7 +293,7 @@ class OpenAIProtocol:
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return [self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
 
-    def _render_chat(self, messages: Any, tools: list[dict], template_kwargs: dict) -> str:
+    def _render_chat(self, messages: Any, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
         ``template_kwargs`` go to the template (``enable_thinking``, ...)."""
         if not isinstance(messages, list) or not messages:
@@ -291,6 +311,7 @@ class OpenAIProtocol:
                                     "(or an array of text parts; null for an assistant message with tool_calls)",
                                param=f"messages[{i}]")
             rendered.append({**m, "content": content})
+        template_kwargs = template_kwargs or {}
         bad = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise APIError(400, f"'chat_template_kwargs.{bad[0]}' is set by the server", param="chat_template_kwargs")
@@ -298,9 +319,8 @@ class OpenAIProtocol:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template(messages_for_template(rendered), tools=tools or None,
-                                                      chat_template=self.chat_template, add_generation_prompt=True,
-                                                      tokenize=False, **template_kwargs)
+            return self.tokenizer.apply_chat_template(rendered, tools=tools or None, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=False, **template_kwargs)
         except Exception as e:  # jinja2 errors, e.g. a template's raise_exception for a role order
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
 
@@ -401,11 +421,21 @@ def sampling_defaults(generation_config: dict) -> dict:
     return defaults
 
 
-def _structured_spec(body: dict) -> StructuredSpec | None:
-    try:
-        return spec_from_request(body)
-    except StructuredOutputError as e:
-        raise APIError(400, str(e), param=e.param) from None
+AGENT_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "response_format",
+                     "structured_outputs")
+
+
+def _constrained(body: dict) -> bool:
+    """The request asks to constrain its output (``response_format`` other than text, ``structured_outputs``)."""
+    return body.get("structured_outputs") is not None or body.get("response_format") not in (None, {"type": "text"})
+
+
+def _uses_agent_features(body: dict) -> bool:
+    """The chat request uses tools, a tool history, a constraint or template arguments."""
+    messages = body.get("messages")
+    history = isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+    return history or any(body.get(name) is not None for name in AGENT_CHAT_FIELDS)
 
 
 def _finite(x: float) -> float:

@@ -10,13 +10,14 @@ import json
 import pytest
 
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
-from engine.llm_engine import DEFAULT_MODEL_DIR, _load_tokenizer
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import load_tokenizer
 from engine.server.protocol import APIError, OpenAIProtocol, sampling_defaults
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _load_tokenizer(DEFAULT_MODEL_DIR)
+    return load_tokenizer(DEFAULT_MODEL_DIR)
 
 
 def protocol(tokenizer, **options) -> OpenAIProtocol:

@@ -20,7 +20,8 @@ import jsonschema
 import pytest
 import torch
 
-from engine.llm_engine import DEFAULT_MODEL_DIR, _load_tokenizer
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.llm_engine import load_tokenizer
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.matchers import GrammarMatchers, apply_bitmask
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
@@ -70,7 +71,7 @@ PATHOLOGICAL_DEPTH = 6  # nested anyOf of arrays / objects: 52 KB of schema, ~0.
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _load_tokenizer(DEFAULT_MODEL_DIR)
+    return load_tokenizer(DEFAULT_MODEL_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -649,7 +650,7 @@ def compile_timings(tokenizer, eos) -> dict:
 
 
 if __name__ == "__main__":
-    _tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
+    _tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     print(json.dumps({"vocab": VOCAB, "timings": compile_timings(_tokenizer, _tokenizer.eos_token_id)}, indent=1))
 
 
