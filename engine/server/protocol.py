@@ -180,7 +180,10 @@ class OpenAIProtocol:
         chat request on a server with a reasoning parser): its rendered prompt, what its output
         must match (a forced tool call's spec, or the request's own), and how its output is read."""
         tools = self._tool_request(body)
-        rendered = self._render_chat(messages_for_template(body.get("messages")), tools.tools,
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+            raise APIError(400, "'messages' must be a non-empty array of objects", param="messages")
+        rendered = self._render_chat(messages_for_template(messages), tools.tools,
                                      field(body, "chat_template_kwargs", dict, {}))
         structured = self._structured(body) if _constrained(body) else None
         if tools.tool_choice == "required":

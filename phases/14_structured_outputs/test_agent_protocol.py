@@ -77,6 +77,8 @@ def test_tool_errors_name_the_field(tokenizer):
     }
     for param, body in cases.items():
         assert refused(proto, {"messages": HISTORY[:1], **body}).param == param
+    for messages in (None, "x", [], ["x"]):
+        assert refused(proto, {"messages": messages, "tools": TOOLS}).param == "messages"
     both = refused(proto, {"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": "required",
                            "response_format": {"type": "json_object"}})
     assert both.param == "tool_choice"
