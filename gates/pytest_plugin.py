@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 _tests: dict[str, dict] = {}
+_xdist_worker = False  # set in pytest_configure: this session is a pytest-xdist worker
 MESSAGE_CHARS = 2000
 
 
@@ -50,7 +51,7 @@ def _in_torchrun() -> bool:
 
 def _write(exitstatus: int) -> None:
     out_dir = os.environ.get("GATES_RESULT_DIR")
-    if not out_dir or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller gets every report
+    if not out_dir or _xdist_worker:  # under xdist the controller gets every report
         return
     rank = int(os.environ.get("RANK", "0"))
     payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
@@ -68,6 +69,14 @@ def _abort_rank(report) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
+
+
+def pytest_configure(config) -> None:
+    """A worker is known by its config (``workerinput``), never by ``PYTEST_XDIST_WORKER``: a
+    gate run started from inside an xdist worker (the gates' own tests under ``make test``)
+    inherits that variable while being a session of its own."""
+    global _xdist_worker
+    _xdist_worker = hasattr(config, "workerinput")
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -42,7 +42,7 @@ IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}  # OpenAI's, mean
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
                  "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
-                 "structured_outputs"} | IGNORED_FIELDS
+                 "structured_outputs", "until", "do_sample"} | IGNORED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs"}
@@ -50,7 +50,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 REFUSED = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
            "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
            "skip_special_tokens": (None, True), "add_special_tokens": (None, False), "prompt_logprobs": (None,),
-           "priority": (None, 0)}
+           "priority": (None, 0), "lora_path": (None,)}
 # sampling fields generation_config.json may give defaults for (vLLM's), and OpenAI's own defaults
 GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 # chat_template_kwargs the server sets itself
@@ -256,9 +256,12 @@ class OpenAIProtocol:
     def _sampling_params(self, body: dict, logprobs: int | None) -> SamplingParams:
         """The request's sampling fields as SamplingParams (max_tokens set per prompt later); a 400
         naming the field for a wrong type or value."""
-        stop = [] if body.get("stop") is None else body["stop"]
-        if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise APIError(400, "'stop' must be a string or an array of strings", param="stop")
+        stop = []
+        for name in ("stop", "until"):  # lm-eval's harness sends its stop strings as ``until`` too
+            value = [] if body.get(name) is None else body[name]
+            if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)):
+                raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
+            stop += [value] if isinstance(value, str) else [s for s in value if s not in stop]
         stop_ids = field(body, "stop_token_ids", list, [])
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
             raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {self.vocab_size})",
@@ -266,7 +269,8 @@ class OpenAIProtocol:
         defaults = self.defaults
         try:
             return SamplingParams(
-                temperature=field(body, "temperature", float, defaults["temperature"]),
+                temperature=(0.0 if field(body, "do_sample", bool, True) is False  # HF-style greedy
+                             else field(body, "temperature", float, defaults["temperature"])),
                 top_p=field(body, "top_p", float, defaults["top_p"]),
                 top_k=field(body, "top_k", int, defaults["top_k"]), stop=stop, stop_token_ids=stop_ids,
                 ignore_eos=field(body, "ignore_eos", bool, False), seed=field(body, "seed", int),

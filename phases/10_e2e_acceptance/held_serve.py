@@ -13,7 +13,7 @@ if __name__ == "__main__":
     hold, real_step = Path(sys.argv[1]), LLMEngine.step
 
     def step(self):
-        running = [seq for seq in self._requests.values() if not seq.is_finished]
+        running = [seq for seq in map(self.sequence, self.request_ids()) if not seq.is_finished]
         if running and hold.exists() and all(seq.output_token_ids for seq in running):
             time.sleep(0.01)
             return []
