@@ -11,6 +11,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +32,8 @@ MAX_TOP_K = 2**31 - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_BAD_WORDS = 64
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,22 @@ class SamplingParams:
     the output, ``presence_penalty`` subtracts once for a token present in the output.
     ``logprobs``: return, for each output token, its log-probability under the model (the
     log-softmax of the logits before temperature and penalties) and the ``logprobs`` most
-    likely tokens' (None: none returned).
+    likely tokens' (None: none returned); ``prompt_logprobs`` likewise for each prompt token after
+    the first (a request asking for them reuses no cached prefix).
+    Constraints on which token comes next, applied to the logits on the device before the
+    penalties (so temperature, top-k/p/min-p, penalties and seeds act inside what they allow):
+    ``logit_bias`` adds ``bias`` to token ``id`` for each ``(id, bias)`` pair (bias in [-100,
+    100]); ``allowed_token_ids`` (None: any) leaves only those tokens; ``bad_words_token_ids``
+    bans, for each token sequence, its last token wherever the output so far ends with the
+    others (a one-token bad word is always banned); ``structured`` (an
+    ``engine.structured.StructuredSpec``) makes the output match a JSON schema, regex, choice or
+    grammar: the engine compiles it and masks each step's logits with the grammar's allowed
+    tokens, and the request finishes with "stop" when the grammar is complete.
+    ``min_p`` (after temperature) drops the tokens whose probability is below ``min_p`` times
+    the most likely token's (0: off).
+    Output text: ``include_stop_str_in_output`` keeps a matched stop string at the end of the
+    text; ``skip_special_tokens`` leaves special tokens out of the text (token ids and
+    logprobs keep them).
     Every value is bounded here, where the request enters: a value the step could not run
     (an int past int64, an infinite float) never reaches it.
     """
@@ -65,12 +83,25 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured: Any = None  # an engine.structured.StructuredSpec: carried here, read by phase 14's code
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         checks = (
             ("temperature", _is_float(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
             ("top_p", _is_float(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -97,10 +128,34 @@ class SamplingParams:
              "must be in (0, 10]"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"must be None or an int in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"must be None or an int in [0, {MAX_LOGPROBS}]"),
+            ("min_p", _is_float(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("logit_bias", len({t for t, _ in self.logit_bias}) == len(self.logit_bias) and all(
+                _is_int(t) and 0 <= t <= MAX_TOP_K and _is_float(b) and abs(b) <= MAX_LOGIT_BIAS
+                for t, b in self.logit_bias),
+             f"must map distinct token ids (ints >= 0) to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (self.allowed_token_ids and all(
+                _is_int(t) and 0 <= t <= MAX_TOP_K for t in self.allowed_token_ids)),
+             "must be None or a non-empty list of token ids (ints >= 0)"),
+            ("bad_words_token_ids", len(self.bad_words_token_ids) <= MAX_BAD_WORDS and all(
+                w and all(_is_int(t) and 0 <= t <= MAX_TOP_K for t in w) for w in self.bad_words_token_ids),
+             f"must hold at most {MAX_BAD_WORDS} non-empty token-id sequences"),
+            ("structured", self.structured is None or isinstance(getattr(self.structured, "key", None), str),
+             "must be None or an engine.structured.StructuredSpec"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
         )
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def constrained(self) -> bool:
+        """Any constraint (bias, allowed ids, bad words, grammar) changes the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.structured is not None)
 
     @property
     def penalized(self) -> bool:
