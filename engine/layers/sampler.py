@@ -39,7 +39,9 @@ def _uniform_noise(seeds: torch.Tensor, output_indices: torch.Tensor, token_ids:
     key = _mix32(_mix32(seeds >> 32) ^ (seeds & _MASK32))
     key = _mix32(key ^ (output_indices & _MASK32))[:, None]
     bits = _mix32(_mix32(token_ids ^ key) ^ key)
-    return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    # the top 24-bit value plus 0.5 rounds to 2**24 in float32: clamp to the largest float32 below 1,
+    # else log(-log(1)) = -inf turns a masked (-inf) candidate's race into NaN, which argmax picks
+    return (((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24).clamp(max=1 - 2.0**-24)
 
 
 class Sampler(nn.Module):

@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.distributed import TPGroup
-from engine.layers.sampler import Sampler
+from engine.layers.sampler import Sampler, _uniform_noise
 
 F64 = torch.float64
 
@@ -117,6 +117,17 @@ def test_top_k_and_top_p_never_leave_the_allowed_set():
             assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])}"
             seen[r].add(token)
     assert sum(len(s) for s in seen) > 2 * rows, "sampling collapsed to a few tokens"
+
+
+def test_noise_stays_below_one_and_masked_tokens_are_never_drawn():
+    """(seed 4, output index 0, token 3773515) hashes to the largest 24-bit value, whose float32
+    rounds up to 1.0: the noise must stay in (0, 1), or log(-log u) = -inf makes the race of a
+    masked (-inf) token NaN, which argmax picks."""
+    noise = _uniform_noise(torch.tensor([4]), torch.tensor([0]), torch.tensor([3773515, 0]))
+    assert 0 < noise.min() and noise.max() < 1
+    logits = torch.full((1, 3773516), float("-inf"))
+    logits[0, 7] = 0.0
+    assert sample(logits, 1.0, seeds=torch.tensor([4])).tolist() == [7]
 
 
 def min_p_allowed(logits: torch.Tensor, temperature: float, min_p: float) -> set[int]:
