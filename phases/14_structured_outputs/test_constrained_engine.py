@@ -7,53 +7,28 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import pytest
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
+from constrained_cases import EOS, VOCAB, demo_tokenizer_checkpoint, prompts, reference_greedy, run
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine.structured.spec import StructuredSpec, spec_from_request
-from phases.checkpoints import make_tiny_checkpoint
 from test_grammar import SCHEMAS
 
-EOS = 0  # the demo tokenizer's <|endoftext|>
-VOCAB = 8192
 ARGS = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=160)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny random Qwen3 over the demo tokenizer's 8192 tokens, EOS its <|endoftext|> (0)."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("constrained"), "Qwen3ForCausalLM", seed=29, vocab_size=VOCAB)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
-    for name in ("config.json", "generation_config.json"):
-        config = json.loads((path / name).read_text())
-        config.update(bos_token_id=EOS, eos_token_id=EOS)
-        (path / name).write_text(json.dumps(config))
-    return path
+    return demo_tokenizer_checkpoint(tmp_path_factory.mktemp("constrained"), seed=29)
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     return LLMEngine(checkpoint, **ARGS)
-
-
-def prompts(count: int, seed: int = 0, length: int = 30) -> list[list[int]]:
-    """Random prompts of ``length`` tokens (longer than the step's token budget: prefilled in chunks)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (length,), generator=gen).tolist() for _ in range(count)]
-
-
-def run(engine, requests: list[tuple[list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(p, params) for p, params in requests]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [engine.pop_request(rid) for rid in ids]
 
 
 def schema_spec(schema: dict) -> StructuredSpec:
@@ -90,6 +65,29 @@ def test_json_outputs_validate_and_plain_requests_are_untouched(checkpoint, over
             jsonschema.validate(json.loads(out.text), schema)
     assert finished >= 0.8 * len(grammar_outs), f"only {finished} of {len(grammar_outs)} grammars completed"
     assert_grammars_released(engine)
+
+
+def constrained_requests() -> list[tuple[list[int], SamplingParams]]:
+    """Greedy requests under each kind of constraint (prompts longer than the step budget)."""
+    kinds = [dict(structured=schema_spec(SCHEMAS["nested objects"])),
+             dict(structured=StructuredSpec("regex", r"[a-z]{2,5}-\d{3}"), ignore_eos=True),
+             dict(structured=schema_spec(SCHEMAS["anyOf"]), logit_bias={17: 5.0}),
+             dict(logit_bias={4321: 3.0, 100: -50.0}, bad_words_token_ids=[[4321, 4321], [55]]),
+             dict(allowed_token_ids=[17, 300, 301, 2048, 5000], ignore_eos=True),
+             dict()]
+    return [(p, SamplingParams(temperature=0.0, max_tokens=40, **kind)) for p, kind in zip(prompts(6, seed=2), kinds)]
+
+
+def test_constrained_greedy_equals_the_definitions_on_transformers_logits(checkpoint, engine):
+    """Greedy outputs under grammars, biases, allowed ids and bad words, batched, equal greedy
+    decoding by the definitions on transformers' logits of the same checkpoint."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    requests = constrained_requests()
+    outs = run(engine, requests)
+    compiler = engine.grammar_compiler
+    assert [out.token_ids for out in outs] == [reference_greedy(hf, compiler, p, params) for p, params in requests]
 
 
 def test_regex_and_choice(engine):
