@@ -218,3 +218,37 @@ def test_bad_constraint_ids_and_specs_are_value_errors(checkpoint, engine):
     with pytest.raises(ValueError, match="constraints"):
         hf.add_request([5, 6], SamplingParams(logit_bias={3: 1.0}))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.cuda
+def test_cuda_graphed_constrained_decoding(checkpoint):
+    """On the GPU, with CUDA graphs and overlapped steps: the grammar masks (xgrammar's kernel,
+    in place on a graph's output logits), biases, allowed ids and bad words give the greedy
+    tokens of the definitions on transformers' (CPU) logits, JSON outputs validate, and plain
+    requests keep their tokens."""
+    import transformers
+
+    engine = LLMEngine(checkpoint, dtype="float32", **ARGS)
+    assert engine.device.type == "cuda" and engine.runner.graphs
+    requests = constrained_requests()
+    outs = run(engine, requests)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    compiler = engine.grammar_compiler
+    assert [out.token_ids for out in outs] == [reference_greedy(hf, compiler, p, params) for p, params in requests]
+    plain = [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts(3, seed=1)]
+    alone = [out.token_ids for out in run(engine, plain)]
+    constrained = [(p, SamplingParams(temperature=t, seed=i, max_tokens=120, structured=schema_spec(schema)))
+                   for i, schema in enumerate(SCHEMAS.values()) for p, t in zip(prompts(2, seed=10 + i), (0.0, 1.0))]
+    replays = engine.runner.graph_replays
+    outs = run(engine, constrained[:5] + plain + constrained[5:])
+    assert [out.token_ids for out in outs[5:8]] == alone
+    assert engine.runner.graph_replays > replays
+    grammar_outs = outs[:5] + outs[8:]
+    for out, (_, params) in zip(grammar_outs, constrained):
+        assert out.finish_reason in ("stop", "length"), out
+        if out.finish_reason == "stop":
+            schema = json.loads(params.structured.value)
+            jsonschema.validate(json.loads(out.text), schema)
+    assert sum(out.finish_reason == "stop" for out in grammar_outs) >= 0.8 * len(grammar_outs)
+    assert_grammars_released(engine)
+    torch.cuda.synchronize()
