@@ -86,6 +86,10 @@ class LLMEngine:
     (``engine.speculative``), giving plain decoding's tokens; its drafts need every token on the
     host, so its steps are synchronous (overlap is turned off, with a log line).
 
+    Requests with ``structured`` params (a grammar) are masked by phase 14's grammar state, reached
+    only through ``grammar_compiler``, ``_add_grammar`` and ``_advance_grammars``; their steps read
+    back the token the next mask needs before planning it.
+
     ``engine_config`` is the resolved config; ``config`` the checkpoint's ``ModelConfig``.
     """
 
