@@ -69,7 +69,8 @@ class HFModelRunner:
         return self.sampler(logits, column([p.temperature for p in params], torch.float32),
                             column([p.top_k for p in params], torch.int64),
                             column([p.top_p for p in params], torch.float32),
-                            column([s.seed for s in batch.seqs], torch.int64), column(output_indices, torch.int64))
+                            column([s.seed for s in batch.seqs], torch.int64), column(output_indices, torch.int64),
+                            column([p.min_p for p in params], torch.float32))
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)

@@ -116,9 +116,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, c.scheduler.admission, drafter=drafter,
-                                   on_free=self.runner.release)
+                                   on_free=self._release)
         self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
         self._in_flight: LaunchedStep | None = None  # launched by the last step(), not read back yet
+        self._grammar_compiler = None  # built by the first use of grammar_compiler (rank 0)
+        self._grammars = None  # phase 14's GrammarRows, built for the first grammar request (rank 0)
         self._ids = itertools.count()
         self._generation: list[str] = []
         self.num_steps = 0
@@ -162,7 +164,9 @@ class LLMEngine:
                     detokenize: bool = True) -> str:
         """Queue a prompt (text, or token ids) and return its request id. A prompt that can never
         run (longer than max_model_len, or needing more KV blocks than exist) is finished at
-        once as "rejected"; its output names the reason."""
+        once as "rejected"; its output names the reason. A ``structured`` spec is compiled here
+        (``grammar_compiler.compile``: a cache hit once ``compile_async`` has run for it); one that
+        cannot be compiled raises its ``StructuredOutputError`` (a ValueError) and queues nothing."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             if not token_ids:
@@ -177,11 +181,14 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         self._check_params(params)
         seq = Sequence(token_ids, params, request_id=str(next(self._ids)))
+        if params.structured is not None:
+            self._add_grammar(seq)
         self.outputs.add(seq, detokenize)
         if self.scheduler.add(seq):
             self.num_prompt_tokens += seq.num_prompt_tokens
         else:
             log.warning("request %s rejected: %s", seq.request_id, seq.reject_reason)
+            self._release(seq)
             self.outputs.finish(seq.request_id)
         return seq.request_id
 
@@ -191,12 +198,65 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be ids in [0, {vocab}), got "
-                             f"{list(params.stop_token_ids)}")
+        ids = {"stop_token_ids": params.stop_token_ids, "logit_bias": [t for t, _ in params.logit_bias],
+               "allowed_token_ids": params.allowed_token_ids or (),
+               "bad_words_token_ids": [t for word in params.bad_words_token_ids for t in word]}
+        for name, values in ids.items():
+            if any(t >= vocab for t in values):
+                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab}), got "
+                                 f"{getattr(params, name)!r}")
         if self.engine_config.model.model_class is None and (params.penalized or params.min_tokens or
-                                                       params.logprobs is not None):
-            raise ValueError("the hf backend does not apply penalties or min_tokens and returns no logprobs")
+                                                       params.logprobs is not None or params.constrained):
+            raise ValueError("the hf backend does not apply penalties, min_tokens or constraints (logit_bias, "
+                             "allowed_token_ids, bad words, structured outputs) and returns no logprobs")
+
+    def _release(self, seq: Sequence) -> None:
+        """The scheduler freed ``seq``'s blocks (finished, or preempted) or rejected it: its runner
+        rows go, and a finished one's grammar state."""
+        self.runner.release(seq)
+        if seq.is_finished and self._grammars is not None:
+            self._grammars.remove(seq.request_id)
+
+    @property
+    def grammar_compiler(self):
+        """The ``GrammarCompiler`` of structured outputs over this engine's tokenizer (vocabulary
+        ``config.vocab_size``, stop tokens the EOS ids), built at first use; None on TP ranks
+        other than 0 (only rank 0 samples, so only it holds grammars). A server awaits
+        ``compile_async(spec)`` off the engine loop before ``add_request``."""
+        if self._grammar_compiler is None and self.tp.rank == 0:
+            from engine.structured.compiler import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _add_grammar(self, seq: Sequence) -> None:
+        """Compile ``seq``'s spec and start its grammar (rank 0; the first one builds the
+        ``GrammarRows`` the runner's sampling masks with). A spec that cannot be compiled raises
+        its ``StructuredOutputError`` on every rank (rank 0's message is broadcast)."""
+        from engine.distributed import broadcast_object
+        from engine.structured.grammar_rows import GrammarRows
+        from engine.structured.spec import StructuredOutputError
+
+        error = None
+        if self.tp.rank == 0:
+            if self._grammars is None:
+                self._grammars = GrammarRows(self.grammar_compiler, self.engine_config.scheduler.max_num_seqs,
+                                             self.device)
+                self.runner.sampling.grammar = self._grammars
+            try:
+                self._grammars.add(seq)
+            except StructuredOutputError as e:
+                error = (e.param, str(e))
+        error = broadcast_object(error)
+        if error is not None:
+            raise StructuredOutputError(*error)
+
+    def _advance_grammars(self, outputs: list) -> list[tuple[str, str, str | None]]:
+        """Advance the grammars by a step's read-back outputs (rank 0) and return, on every rank,
+        the (request id, reason, error) of the requests they end (``GrammarRows.advance``)."""
+        from engine.distributed import broadcast_object
+
+        return broadcast_object(self._grammars.advance(outputs) if self._grammars is not None else [])
 
     def abort_request(self, request_id: str) -> bool:
         """Finish an unfinished request with reason "abort"; its blocks are freed (at once, or
@@ -248,10 +308,13 @@ class LLMEngine:
         new batch on the device); without, the new batch is read back at once. A request that
         ends at step N may have had step N+1 computed for it: that token is dropped. When no
         request is left, or a decode found no free block while a step was in flight, the step
-        in flight is postprocessed first, so an idle engine holds no block."""
+        in flight is postprocessed first, so an idle engine holds no block. So is a step in flight
+        that sampled a token for a request whose constraints read its output (a grammar,
+        multi-token bad words): the next step's mask needs that token (that step is synchronous;
+        plain batches keep the overlap)."""
         start, waited = time.perf_counter(), 0.0
         try:
-            if self._in_flight is not None and self.scheduler.needs_drain:
+            if self._in_flight is not None and (self.scheduler.needs_drain or _reads_output(self._in_flight.batch)):
                 waited += self.postprocess(self._take_in_flight())
             batch = self.scheduler.schedule()
             previous = self._in_flight
@@ -281,7 +344,10 @@ class LLMEngine:
     def postprocess(self, launched: LaunchedStep) -> float:
         """The second half of a step: read back a launched step's tokens and hand them to the
         scheduler, then its outputs to the output processor, ending the requests a stop string (or
-        undecodable text) ended. Returns the seconds spent waiting for the device. ``step`` calls
+        undecodable text) ended, and the grammars advanced by the tokens that reached the outputs
+        (a complete grammar ends its request with "stop", a refused token with "error"; a token
+        that ends the request itself, EOS or max_tokens, ends it with that reason). Returns the
+        seconds spent waiting for the device. ``step`` calls
         it; a test that schedules and launches a batch by hand completes it here."""
         start = time.perf_counter()
         token_ids = launched.token_ids()
@@ -289,6 +355,10 @@ class LLMEngine:
         result = self.scheduler.postprocess(launched.batch, token_ids)
         for request_id, reason in self.outputs.process_outputs(result.outputs, launched.logprobs()):
             self.scheduler.finish(request_id, reason)
+        if any(out.seq.sampling_params.structured is not None for out in result.outputs):
+            for request_id, reason, error in self._advance_grammars(result.outputs):
+                if self.scheduler.finish(request_id, reason):
+                    self.outputs.finish(request_id, error)
         return waited
 
     # ---- whole prompts to the end --------------------------------------------------------------
@@ -329,6 +399,12 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.outputs.take_finished()
+
+
+def _reads_output(batch) -> bool:
+    """``batch`` sampled a token for an unfinished request whose constraints read its output."""
+    return any(samples and seq.sampling_params.reads_output and not seq.is_finished
+               for seq, samples in zip(batch.seqs, batch.samples))
 
 
 def _sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

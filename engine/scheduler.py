@@ -55,7 +55,8 @@ cut at a token that ends the sequence), counts only the accepted positions as co
 K/V of rejected drafts is never attended to and is overwritten later), publishes hashes of
 accepted positions only, and frees the blocks that hold only rejected drafts. Drafts never
 run past ``max_model_len`` or the room ``max_tokens`` leaves, and requests with penalties or
-logprobs take none (their sampling state advances one token per step).
+logprobs, or whose constraints read the output (a grammar, multi-token bad words), take none
+(their sampling state advances one token per step).
 """
 from __future__ import annotations
 
@@ -434,14 +435,14 @@ class Scheduler:
     def _draft(self, batch: ScheduledBatch) -> None:
         """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest
         first, while the token budget and free blocks last: at most what keeps the step within
-        ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties
-        or logprobs take none."""
+        ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties,
+        logprobs or constraints that read the output take none."""
         budget = self.max_num_batched_tokens - batch.total_tokens
         for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             params = seq.sampling_params
             # the step samples len(draft) + 1 tokens; num_tokens already counts the first
             room = min(budget, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-            if room <= 0 or params.penalized or params.logprobs is not None:
+            if room <= 0 or params.penalized or params.logprobs is not None or params.reads_output:
                 continue
             draft = self.drafter.propose(seq, room)[:room]
             if not draft:

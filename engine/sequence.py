@@ -158,6 +158,13 @@ class SamplingParams:
                     or self.structured is not None)
 
     @property
+    def reads_output(self) -> bool:
+        """Its constraints read the output so far on the host (a grammar, a bad word of more than
+        one token): each step's mask needs the previous step's token read back, and it takes no
+        drafted tokens."""
+        return self.structured is not None or any(len(w) > 1 for w in self.bad_words_token_ids)
+
+    @property
     def penalized(self) -> bool:
         """Any penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

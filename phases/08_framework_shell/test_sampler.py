@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.distributed import TPGroup
-from engine.layers.sampler import Sampler
+from engine.layers.sampler import Sampler, _uniform_noise
 
 F64 = torch.float64
 
@@ -117,6 +117,66 @@ def test_top_k_and_top_p_never_leave_the_allowed_set():
             assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])}"
             seen[r].add(token)
     assert sum(len(s) for s in seen) > 2 * rows, "sampling collapsed to a few tokens"
+
+
+def test_noise_stays_below_one_and_masked_tokens_are_never_drawn():
+    """(seed 4, output index 0, token 3773515) hashes to the largest 24-bit value, whose float32
+    rounds up to 1.0: the noise must stay in (0, 1), or log(-log u) = -inf makes the race of a
+    masked (-inf) token NaN, which argmax picks."""
+    noise = _uniform_noise(torch.tensor([4]), torch.tensor([0]), torch.tensor([3773515, 0]))
+    assert 0 < noise.min() and noise.max() < 1
+    logits = torch.full((1, 3773516), float("-inf"))
+    logits[0, 7] = 0.0
+    assert sample(logits, 1.0, seeds=torch.tensor([4])).tolist() == [7]
+
+
+def min_p_allowed(logits: torch.Tensor, temperature: float, min_p: float) -> set[int]:
+    """Float64 truth for one row: the tokens whose probability under softmax(logits / T) is at
+    least ``min_p`` times the most likely token's."""
+    probs = torch.softmax(logits.to(F64) / temperature, dim=-1)
+    return set((probs >= min_p * probs.max()).nonzero().flatten().tolist())
+
+
+def test_min_p_never_leaves_the_float64_allowed_set():
+    """Over many seeds every drawn id keeps probability >= min_p x the row's largest (float64),
+    greedy rows still take the argmax, and the hinted path draws the same ids."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab, draws = 128, 64, 16
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(F64)
+    temperature = (0.5 + torch.rand(rows, generator=gen)).to(F64)
+    min_p = torch.rand(rows, generator=gen).to(F64) * 0.5
+    min_p[::5] = 0.0  # min-p off
+    allowed = [min_p_allowed(logits[r], float(temperature[r]), float(min_p[r])) for r in range(rows)]
+    seen = [set() for _ in range(rows)]
+    sampler = Sampler(TPGroup())
+    for step in range(draws):
+        args = (logits.float(), temperature.float(), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+                torch.arange(rows) + 7, torch.full((rows,), step), min_p.float())
+        ids = sampler(*args)
+        assert torch.equal(ids, sampler(*args, random_rows=torch.arange(rows), use_top_k=False, use_top_p=False))
+        for r, token in enumerate(ids.tolist()):
+            assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])}"
+            seen[r].add(token)
+    assert sum(len(s) for s in seen) > 2 * rows, "sampling collapsed to a few tokens"
+    greedy = sampler(logits.float(), torch.zeros(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+                     torch.arange(rows), torch.zeros(rows, dtype=torch.int64), min_p.float())
+    assert torch.equal(greedy, logits.argmax(dim=-1))
+
+
+def test_min_p_leaving_one_survivor_always_draws_it():
+    """A min_p above the runner-up's probability ratio (float64) leaves only the argmax: every
+    draw, at every seed, is that token, even at a high temperature."""
+    gen = torch.Generator().manual_seed(6)
+    rows, vocab = 64, 100
+    logits = torch.randn(rows, vocab, generator=gen).to(F64)
+    temperature = 2.0
+    probs = torch.softmax(logits / temperature, dim=-1).sort(dim=-1, descending=True).values
+    min_p = ((probs[:, 1] / probs[:, 0] + 1) / 2).float()  # between the runner-up's ratio and 1
+    for step in range(20):
+        ids = Sampler(TPGroup())(
+            logits.float(), torch.full((rows,), temperature), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+            torch.arange(rows) * 31 + step, torch.full((rows,), step), min_p)
+        assert torch.equal(ids, logits.argmax(dim=-1))
 
 
 def test_temperature_towards_zero_matches_greedy():
