@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import sys
 
@@ -40,8 +41,12 @@ TEMPLATE_HISTORY = [HISTORY[0], {**HISTORY[1], "tool_calls": [
 
 
 def make_agent_checkpoint(path, seed: int = 7):
-    """A tiny random Qwen3 with the demo tokenizer (vocabulary 8192) and TOOLS_TEMPLATE."""
+    """A tiny random Qwen3 with the demo tokenizer (vocabulary 8192; its <|endoftext|>, id 0, is
+    the EOS of the config and the generation config) and TOOLS_TEMPLATE."""
     make_tiny_checkpoint(path, "Qwen3ForCausalLM", seed, vocab_size=8192)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, "bos_token_id": 0, "eos_token_id": 0}))
     shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", path / "tokenizer.json")
     config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
@@ -63,6 +68,25 @@ def served(agent_model):
     engine = LLMEngine(agent_model, block_size=BLOCK_SIZE, max_num_seqs=16, max_model_len=MAX_MODEL_LEN)
     with server_cases.running_server(engine, tool_call_parser="hermes") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory):
+    return server_cases.make_word_checkpoint(tmp_path_factory.mktemp("words"), seed=2)
+
+
+@pytest.fixture(scope="module")
+def word_served(word_model):
+    engine = LLMEngine(word_model, block_size=BLOCK_SIZE, max_model_len=128)
+    with server_cases.running_server(engine) as running:
+        yield running
+
+
+@pytest.fixture
+def word_client(word_served):
+    with openai_client(word_served.url) as c:
+        yield c
+    server_cases.wait_idle(word_served.engine_loop)
 
 
 def openai_client(url: str, api_key: str = "none"):
@@ -185,29 +209,49 @@ def test_include_stop_str_in_output_ends_the_text_with_it(served, client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text[:at + 3]
 
 
-def test_skip_special_tokens_false_keeps_them_in_the_text(tmp_path):
+def test_skip_special_tokens_false_keeps_them_in_the_text(word_model, word_client):
     """A sampled output holding the special token <|endoftext|> (an oracle engine finds a seed
     whose output does): the text is the tokenizer's decode of the oracle's ids, special tokens
     skipped by default and kept with skip_special_tokens false."""
-    model_dir = server_cases.make_word_checkpoint(tmp_path / "words", seed=2)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(word_model)
     special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    oracle = LLMEngine(model_dir, block_size=BLOCK_SIZE, max_model_len=128)
+    oracle = LLMEngine(word_model, block_size=BLOCK_SIZE, max_model_len=128)
     prompt = tokenizer.encode("the river", add_special_tokens=False)
     for seed in range(64):
         ids = oracle.generate_tokens([prompt], SamplingParams(max_tokens=24, ignore_eos=True, seed=seed))[0]
         if special in ids:
             break
     assert special in ids, "no seed of 64 samples the special token"
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, max_model_len=128)
-    with server_cases.running_server(engine) as running, openai_client(running.url) as client:
-        def text(**fields):
-            return client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1.0,
-                                             seed=seed, extra_body={"ignore_eos": True, **fields}).choices[0].text
-        assert text() == tokenizer.decode(ids, skip_special_tokens=True)
-        kept = text(skip_special_tokens=False)
-        assert kept == tokenizer.decode(ids, skip_special_tokens=False) and "<|endoftext|>" in kept
-        server_cases.wait_idle(running.engine_loop)
+
+    def text(**fields):
+        return word_client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, top_p=1.0,
+                                              seed=seed, extra_body={"ignore_eos": True, **fields}).choices[0].text
+    assert text() == tokenizer.decode(ids, skip_special_tokens=True)
+    kept = text(skip_special_tokens=False)
+    assert kept == tokenizer.decode(ids, skip_special_tokens=False) and "<|endoftext|>" in kept
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_shape_the_words(word_model, word_client):
+    """On the word model (a token is a word): a +100 bias makes greedy emit only that word;
+    allowed_token_ids leave only their words in a sampled output; a bad word never appears
+    where the greedy text had it most."""
+    tokenizer = load_tokenizer(word_model)
+
+    def words(prompt, **fields) -> list[str]:
+        out = word_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, extra_body={
+            "ignore_eos": True, **fields}, **({} if "temperature" in fields else {"temperature": 0}))
+        assert out.usage.completion_tokens == 16
+        return out.choices[0].text.split()
+
+    garden = tokenizer.convert_tokens_to_ids("garden")
+    assert words("the quick", logit_bias={str(garden): 100}) == ["garden"] * 16
+    allowed = ["river", "city", "light"]
+    sampled = words("the quick", allowed_token_ids=tokenizer.convert_tokens_to_ids(allowed), temperature=1.0, seed=5)
+    assert len(sampled) == 16 and set(sampled) <= set(allowed)
+    greedy = words("over the lazy")
+    common = max(set(greedy), key=greedy.count)
+    banned = words("over the lazy", bad_words=[common])
+    assert common not in banned and len(banned) == 16, (greedy, banned)
 
 
 def test_usage_counts_the_prompt_tokens_found_cached(served, client):
@@ -277,3 +321,80 @@ def test_serve_flags_key_the_routes_and_read_tools(agent_model, tmp_path):
     finally:
         rc = server_cases.stop_server_process(server, 2)
     assert rc == 0, "".join(server.stderr)
+
+
+WEATHER_REPORT = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]},
+    "sunny": {"type": "boolean"}}, "required": ["city", "unit", "sunny"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_outputs_validate(served, client, stream):
+    """response_format json_schema: the (greedy) answer parses and validates against the schema,
+    finished by the grammar ("stop"), the stream joined equal to the whole answer."""
+    jsonschema = pytest.importorskip("jsonschema")
+    response_format = {"type": "json_schema", "json_schema": {"name": "report", "schema": WEATHER_REPORT}}
+    messages = [{"role": "user", "content": "Report the weather in Paris as JSON."}]
+    out = client.chat.completions.create(model="tiny", messages=messages, response_format=response_format,
+                                         max_tokens=200, temperature=0)
+    content, finish = out.choices[0].message.content, out.choices[0].finish_reason
+    jsonschema.validate(json.loads(content), WEATHER_REPORT)
+    assert finish == "stop"
+    if stream:
+        chunks = client.chat.completions.create(model="tiny", messages=messages, response_format=response_format,
+                                                max_tokens=200, temperature=0, stream=True)
+        assert assembled(chunks) == (content, None, [], "stop")
+    refused = server_cases.http(served.url + "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "properties": {
+                "x": {"type": "string", "pattern": "(unclosed"}}}}}})
+    assert refused[0] == 400 and json.loads(refused[1])["error"]["param"].startswith("response_format")
+
+
+def _valid_call(call: dict, names: set[str]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    assert call["name"] in names and call["id"].startswith("call_")
+    parameters = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["name"])
+    jsonschema.validate(json.loads(call["arguments"]), parameters)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_tool_call_validates_and_streams_the_same(served, client, tool_choice):
+    """tool_choice required or a named function: one call whose arguments validate against the
+    function's parameters, finish_reason tool_calls; the stream joined as the SDK joins it is the
+    same call (name and arguments; a fresh id of the same form)."""
+    messages = [{"role": "user", "content": "Add 2 and 3, or tell me the weather."}]
+    names = {"add"} if isinstance(tool_choice, dict) else {t["function"]["name"] for t in TOOLS}
+    out = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                                         max_tokens=120, temperature=0)
+    choice = out.choices[0]
+    calls = whole_calls(choice.message)
+    assert len(calls) == 1 and choice.finish_reason == "tool_calls" and not choice.message.content
+    _valid_call(calls[0], names)
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                                            max_tokens=120, temperature=0, stream=True)
+    content, reasoning, s_calls, finish = assembled(stream)
+    assert (content, reasoning, finish) == (None, None, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in s_calls] == [(calls[0]["name"], calls[0]["arguments"])]
+    _valid_call(s_calls[0], names)
+
+
+CALL_BLOCK = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_a_call_the_model_writes(served, client, stream):
+    """tool_choice auto on a model steered (a regex constraint) into writing a hermes block: the
+    block is read into tool_calls, whole and streamed, and the content is empty."""
+    steer = {"structured_outputs": {"regex": re.escape(CALL_BLOCK)}}
+    messages = [{"role": "user", "content": "Add 1 and 2."}]
+    fields = dict(model="tiny", messages=messages, tools=TOOLS, max_tokens=80, temperature=0, extra_body=steer)
+    if stream:
+        content, _, calls, finish = assembled(client.chat.completions.create(stream=True, **fields))
+    else:
+        out = client.chat.completions.create(**fields)
+        content, calls, finish = out.choices[0].message.content, whole_calls(out.choices[0].message), \
+            out.choices[0].finish_reason
+    assert not content and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert calls[0]["id"].startswith("call_")
