@@ -398,3 +398,22 @@ def test_auto_reads_a_call_the_model_writes(served, client, stream):
     assert not content and finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2})]
     assert calls[0]["id"].startswith("call_")
+
+
+def test_an_agent_loop_sends_the_call_and_its_result_back(served, client, tokenizer):
+    """The loop an agent runs: a forced call, the SDK's own message object appended with a tool
+    result answering its id, and the next turn rendered with both (the call's arguments as the
+    template writes them, the result in <tool_response>)."""
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    named = {"type": "function", "function": {"name": "add"}}
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=named,
+                                           max_tokens=120, temperature=0)
+    call = reply.choices[0].message.tool_calls[0]
+    messages += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": '{"sum": 5}'}]
+    out = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=4, **GREEDY)
+    history = [messages[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "add", "arguments": json.loads(call.function.arguments)}}]}, messages[2]]
+    rendered = tokenizer.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '<tool_response>\n{"sum": 5}\n</tool_response>' in rendered
+    assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
