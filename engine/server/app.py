@@ -39,7 +39,7 @@ from engine.server.chat_output import ChatParsing, ChatStream
 from engine.server.engine_loop import EngineLoop, Stream, mirror_rank0
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import MAX_BODY_BYTES, APIError, GenerationRequest, OpenAIProtocol, parse_json, usage
-from engine.server.tool_parsers import default_tool_parser, tool_parser
+from engine.server.tool_parsers import tool_parser
 from engine.structured.spec import StructuredOutputError, StructuredSpec
 
 log = logging.getLogger("engine.server")
@@ -69,21 +69,22 @@ class OpenAIServer:
     loop down; ``done`` is set once the engine loop has ended.
 
     Agents' options: ``tool_call_parser`` (a name of ``engine.server.tool_parsers``; None: the
-    architecture's default; "none": tools are refused), ``reasoning_parser`` (None: off),
-    ``chat_template`` (replaces the tokenizer's), ``api_key`` (None: open), ``allowed_origins``
-    (CORS; None: none) and ``ssl_files`` ((certfile, keyfile): HTTPS)."""
+    architecture's default, read when a request first uses tools; "none": tools are refused),
+    ``reasoning_parser`` (None: off), ``chat_template`` (replaces the tokenizer's), ``api_key``
+    (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
+    HTTPS). Parser names given are checked here; the agent path runs only for what uses it."""
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = "none",
+    def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
                  allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None):
         engine = engine_loop.engine
         self.engine_loop, self.model_name = engine_loop, model_name
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
-        if tool_call_parser != "none" or reasoning_parser is not None:
-            tool_call_parser = self._parser_names(tool_call_parser, reasoning_parser, engine.config.architecture)
+        if tool_call_parser is not None or reasoning_parser is not None:
+            self._check_parser_names(tool_call_parser, reasoning_parser)
         self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size,
                                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                                       chat_template=chat_template)
+                                       chat_template=chat_template, architecture=engine.config.architecture)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.done = asyncio.Event()
@@ -130,14 +131,12 @@ class OpenAIServer:
     # ---- agents (phase 14) --------------------------------------------------------------------
 
     @staticmethod
-    def _parser_names(tool_call: str | None, reasoning_name: str | None, architecture: str) -> str:
-        """The tool-call parser's name (None: ``architecture``'s default), both names checked (a
-        ValueError listing the choices)."""
-        tool_call = default_tool_parser(architecture) if tool_call is None else tool_call
-        tool_parser(tool_call)
+    def _check_parser_names(tool_call: str | None, reasoning_name: str | None) -> None:
+        """The parser names given (None: not given) name parsers: else a ValueError listing the choices."""
+        if tool_call is not None:
+            tool_parser(tool_call)
         if reasoning_name is not None:
             reasoning.reasoning_parser(reasoning_name)
-        return tool_call
 
     @staticmethod
     def _access(api_key: str | None, allowed_origins: list[str]) -> list:

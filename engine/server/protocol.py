@@ -36,7 +36,7 @@ from typing import Any
 
 from engine.sequence import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from engine.server.chat_output import ChatParsing
-from engine.server.tool_parsers import tool_parser
+from engine.server.tool_parsers import default_tool_parser, tool_parser
 from engine.server.tools import ToolRequest, ToolRequestError, call_schema, messages_for_template, validate_tools
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
@@ -141,16 +141,18 @@ class GenerationRequest:
 class OpenAIProtocol:
     """Parses requests against one model: its ``tokenizer`` (for text prompts, chat templates and
     token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
-    (``engine.server.tool_parsers``; "none": tools are refused) reads tool calls,
+    (``engine.server.tool_parsers``; "none": tools are refused; None: the default of the
+    checkpoint's ``architecture``, read when a request first uses tools) reads tool calls,
     ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
     tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults)."""
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
-                 tool_call_parser: str = "none", reasoning_parser: str | None = None,
-                 chat_template: str | None = None, generation_config: dict | None = None):
+                 tool_call_parser: str | None = "none", reasoning_parser: str | None = None,
+                 chat_template: str | None = None, generation_config: dict | None = None, architecture: str = ""):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.architecture = architecture
         self.chat_template = chat_template
         self.defaults = sampling_defaults(generation_config or {})
         self._token_text: dict[int, str] = {}
@@ -197,12 +199,16 @@ class OpenAIProtocol:
             if structured is not None:
                 raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
                                     "'structured_outputs' cannot constrain one output together", param="tool_choice")
-            parser = tool_parser(self.tool_call_parser)
+            parser = tool_parser(self._tool_call_parser())
             structured = tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key),
                                         parser.call_suffix)
         reads_tools = bool(tools.tools) and tools.tool_choice != "none"
-        return rendered, structured, ChatParsing(self.tool_call_parser if reads_tools else None,
+        return rendered, structured, ChatParsing(self._tool_call_parser() if reads_tools else None,
                                                  self.reasoning_parser, rendered)
+
+    def _tool_call_parser(self) -> str:
+        """The tool-call parser's name: the one given, else the architecture's default."""
+        return default_tool_parser(self.architecture) if self.tool_call_parser is None else self.tool_call_parser
 
     def _tool_request(self, body: dict) -> ToolRequest:
         """The request's tool fields, checked; tools to read need a tool-call parser."""
@@ -210,7 +216,7 @@ class OpenAIProtocol:
             tools = validate_tools(body)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if tools.tools and tools.tool_choice != "none" and self.tool_call_parser == "none":
+        if tools.tools and tools.tool_choice != "none" and self._tool_call_parser() == "none":
             raise APIError(400, "this server reads no tool calls from the model's output: start it with "
                                 "--tool-call-parser (hermes for Qwen, llama3_json for Llama), or send "
                                 "tool_choice 'none'", param="tools")

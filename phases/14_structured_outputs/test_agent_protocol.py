@@ -174,3 +174,16 @@ def test_sampling_extensions_reach_sampling_params(tokenizer):
     assert (params.min_p, params.include_stop_str_in_output, params.skip_special_tokens) == (0.2, True, False)
     chat = proto.chat({"messages": HISTORY[:1], "response_format": {"type": "json_object"}})
     assert chat.choices[0].params.structured == chat.structured and chat.structured.kind == "json_object"
+
+
+def test_the_tool_call_parser_defaults_to_the_architectures(tokenizer):
+    """No parser named: a tools request is read by the architecture's (Qwen: hermes, Llama:
+    llama3_json); an architecture without one refuses tools, naming the field."""
+    def default(architecture):
+        return OpenAIProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, tool_call_parser=None,
+                              architecture=architecture)
+
+    for architecture, name in (("Qwen3ForCausalLM", "hermes"), ("LlamaForCausalLM", "llama3_json")):
+        assert default(architecture).chat({"messages": HISTORY[:1], "tools": TOOLS}).parsing.tools == name
+    assert refused(default("MistralForCausalLM"), {"messages": HISTORY[:1], "tools": TOOLS}).param == "tools"
+    assert default("MistralForCausalLM").chat({"messages": HISTORY[:1]}).parsing is None  # no tools: plain
