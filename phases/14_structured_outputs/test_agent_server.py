@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import sys
+import urllib.request
 
 import pytest
 
@@ -294,17 +295,23 @@ def test_each_bad_field_is_a_400_naming_it_and_the_server_serves_on(served, clie
     assert out.choices[0].finish_reason == "length"
 
 
-def test_serve_flags_key_the_routes_and_read_tools(agent_model, tmp_path):
-    """``python -m engine serve --api-key ... --tool-call-parser hermes --reasoning-parser qwen3
-    --chat-template FILE``: every route but /health, /metrics and /version answers 401 without
-    the key (or with a wrong one) and serves with it; the template file renders the tools."""
+def test_serve_flags_key_the_routes_and_read_tools(agent_model, tokenizer, tmp_path):
+    """``python -m engine serve --api-key ... --allowed-origins ... --tool-call-parser hermes
+    --reasoning-parser qwen3 --chat-template FILE``: every route but /health, /metrics and
+    /version answers 401 without the key (or with a wrong one) and serves with it; a browser's
+    preflight from the origin named passes without it; the template file renders the tools."""
     template = tmp_path / "template.jinja"
     template.write_text(THINKING_TEMPLATE)
+    origin = "https://app.example"
     server = server_cases.start_server_process([
         sys.executable, "-m", "engine", "serve", "--model", str(agent_model), "--port", "0", "--max-model-len", "1024",
-        "--served-model-name", "tiny", "--api-key", KEY, "--tool-call-parser", "hermes",
+        "--served-model-name", "tiny", "--api-key", KEY, "--allowed-origins", origin, "--tool-call-parser", "hermes",
         "--reasoning-parser", "qwen3", "--chat-template", str(template)])
     try:
+        preflight = urllib.request.Request(server.url + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+        with urllib.request.urlopen(preflight, timeout=60) as response:
+            assert response.status == 204 and response.headers["Access-Control-Allow-Origin"] == origin
         for path in ("/health", "/version", "/metrics"):
             assert server_cases.http(server.url + path, method="GET")[0] == 200, path
         for path, body in (("/v1/models", None), ("/tokenize", {"prompt": "hi"}),
@@ -316,7 +323,9 @@ def test_serve_flags_key_the_routes_and_read_tools(agent_model, tmp_path):
         with openai_client(server.url, KEY) as client:
             assert [m.id for m in client.models.list().data] == ["tiny"]
             out = client.chat.completions.create(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=4, **GREEDY)
-            assert out.usage.prompt_tokens > 100  # the tool signatures were rendered
+            rendered = tokenizer.apply_chat_template(TEMPLATE_HISTORY, tools=TOOLS, chat_template=THINKING_TEMPLATE,
+                                                     add_generation_prompt=True, tokenize=False)
+            assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
             assert out.choices[0].message.model_extra["reasoning_content"] is not None  # the template opened it
     finally:
         rc = server_cases.stop_server_process(server, 2)
