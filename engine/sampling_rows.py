@@ -141,8 +141,9 @@ class SamplingRows:
                 if params.allowed_token_ids is not None:
                     plan.allowed_rows.append(i)
                     plan.allowed += [(i, t) for t in params.allowed_token_ids]
-                bans = _bad_word_bans(params.bad_words_token_ids, seq.output_token_ids[:index])
-                plan.banned += [(i, t) for t in bans]
+                if params.bad_words_token_ids:
+                    bans = _bad_word_bans(params.bad_words_token_ids, seq.output_token_ids[:index])
+                    plan.banned += [(i, t) for t in bans]
         if grammar_rows and self.grammar is not None:
             plan.grammar_mask = self.grammar.fill(grammar_rows)
         return plan

@@ -18,6 +18,7 @@ from engine.sequence import SamplingParams
 from engine.structured.spec import StructuredSpec, spec_from_request
 from test_grammar import SCHEMAS
 
+DIGIT_7 = 23  # the demo tokenizer's "7"
 ARGS = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=160)
 
 
@@ -74,8 +75,9 @@ def constrained_requests() -> list[tuple[list[int], SamplingParams]]:
              dict(structured=schema_spec(SCHEMAS["anyOf"]), logit_bias={17: 5.0}),
              dict(logit_bias={4321: 3.0, 100: -50.0}, bad_words_token_ids=[[4321, 4321], [55]]),
              dict(allowed_token_ids=[17, 300, 301, 2048, 5000], ignore_eos=True),
+             dict(structured=StructuredSpec("regex", "[a-z]{3}"), allowed_token_ids=[DIGIT_7], ignore_eos=True),
              dict()]
-    return [(p, SamplingParams(temperature=0.0, max_tokens=40, **kind)) for p, kind in zip(prompts(6, seed=2), kinds)]
+    return [(p, SamplingParams(temperature=0.0, max_tokens=40, **kind)) for p, kind in zip(prompts(7, seed=2), kinds)]
 
 
 def test_constrained_greedy_equals_the_definitions_on_transformers_logits(checkpoint, engine):
@@ -88,6 +90,7 @@ def test_constrained_greedy_equals_the_definitions_on_transformers_logits(checkp
     outs = run(engine, requests)
     compiler = engine.grammar_compiler
     assert [out.token_ids for out in outs] == [reference_greedy(hf, compiler, p, params) for p, params in requests]
+    assert [out.finish_reason for out in outs] == ["stop", "stop", "stop", "length", "length", "error", "length"]
 
 
 def test_regex_and_choice(engine):
@@ -128,8 +131,8 @@ def test_a_refused_token_fails_that_request_alone(engine):
     """allowed_token_ids disjoint from what the grammar allows leaves no token: what is sampled
     is refused by the grammar, and that request alone fails ("error" with a message) while the
     others of the batch go on to their own tokens."""
-    digit = engine.tokenizer.convert_tokens_to_ids("7")
-    bad = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, allowed_token_ids=[digit],
+    assert engine.tokenizer.decode([DIGIT_7]) == "7"
+    bad = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, allowed_token_ids=[DIGIT_7],
                          structured=StructuredSpec("regex", "[a-z]{3}"))
     plain = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts(2, seed=4)]
     alone = [out.token_ids for out in run(engine, plain)]
@@ -215,3 +218,37 @@ def test_bad_constraint_ids_and_specs_are_value_errors(checkpoint, engine):
     with pytest.raises(ValueError, match="constraints"):
         hf.add_request([5, 6], SamplingParams(logit_bias={3: 1.0}))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.cuda
+def test_cuda_graphed_constrained_decoding(checkpoint):
+    """On the GPU, with CUDA graphs and overlapped steps: the grammar masks (xgrammar's kernel,
+    in place on a graph's output logits), biases, allowed ids and bad words give the greedy
+    tokens of the definitions on transformers' (CPU) logits, JSON outputs validate, and plain
+    requests keep their tokens."""
+    import transformers
+
+    engine = LLMEngine(checkpoint, dtype="float32", **ARGS)
+    assert engine.device.type == "cuda" and engine.runner.graphs
+    requests = constrained_requests()
+    outs = run(engine, requests)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    compiler = engine.grammar_compiler
+    assert [out.token_ids for out in outs] == [reference_greedy(hf, compiler, p, params) for p, params in requests]
+    plain = [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts(3, seed=1)]
+    alone = [out.token_ids for out in run(engine, plain)]
+    constrained = [(p, SamplingParams(temperature=t, seed=i, max_tokens=120, structured=schema_spec(schema)))
+                   for i, schema in enumerate(SCHEMAS.values()) for p, t in zip(prompts(2, seed=10 + i), (0.0, 1.0))]
+    replays = engine.runner.graph_replays
+    outs = run(engine, constrained[:5] + plain + constrained[5:])
+    assert [out.token_ids for out in outs[5:8]] == alone
+    assert engine.runner.graph_replays > replays
+    grammar_outs = outs[:5] + outs[8:]
+    for out, (_, params) in zip(grammar_outs, constrained):
+        assert out.finish_reason in ("stop", "length"), out
+        if out.finish_reason == "stop":
+            schema = json.loads(params.structured.value)
+            jsonschema.validate(json.loads(out.text), schema)
+    assert sum(out.finish_reason == "stop" for out in grammar_outs) >= 0.8 * len(grammar_outs)
+    assert_grammars_released(engine)
+    torch.cuda.synchronize()
