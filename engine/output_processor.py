@@ -41,7 +41,9 @@ class RequestOutput:
     ``error`` why one failed or was aborted when that is known). ``logprobs`` (when the request
     asked for them; from the cursor on): per output token, its id, its logprob and the
     [(token id, logprob)] of the most likely tokens. Speculative decoding: the tokens drafted
-    for it and verified (``num_draft_tokens``) and those accepted (``num_accepted_tokens``)."""
+    for it and verified (``num_draft_tokens``) and those accepted (``num_accepted_tokens``).
+    ``num_cached_tokens``: its prompt tokens found in the prefix cache, as seen at its outputs
+    (0 when its first output token also finished it: its blocks are freed before it is read)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +56,7 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -61,8 +64,9 @@ class RequestState:
     """What the output processor holds for one request: its ``seq`` (read only), the
     ``detokenizer`` of its text (None: no text), its ``logprobs`` (None: not asked for), how many
     characters a running request's text holds back (``hold_back``: its longest stop string - 1),
-    how many of its output tokens reached the output (``num_tokens``), and the finish reason
-    reported (``finish_reason``, ``error``)."""
+    how many of its output tokens reached the output (``num_tokens``), the finish reason
+    reported (``finish_reason``, ``error``) and the prompt tokens its sequence found cached
+    (``num_cached_tokens``, read at each output while it holds its blocks)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -71,6 +75,7 @@ class RequestState:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 class OutputProcessor:
@@ -80,6 +85,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, keeps_text: bool = True):
         self.decode = batch_decoder(tokenizer)
+        self.decode_special = batch_decoder(tokenizer, skip_special_tokens=False)
         self.keeps_text = keeps_text
         self.num_generation_tokens = 0  # tokens that reached an output
         self._requests: dict[str, RequestState] = {}
@@ -89,7 +95,8 @@ class OutputProcessor:
         params = seq.sampling_params
         text = detokenize and (self.keeps_text or bool(params.stop))
         self._requests[seq.request_id] = RequestState(
-            seq, IncrementalDetokenizer(decode=self.decode) if text else None,
+            seq, IncrementalDetokenizer(decode=self.decode if params.skip_special_tokens else self.decode_special)
+            if text else None,
             [] if params.logprobs is not None else None, max(map(len, params.stop), default=1) - 1)
 
     def remove(self, request_id: str) -> None:
@@ -129,7 +136,7 @@ class OutputProcessor:
         return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens], text,
                              finished, state.finish_reason, seq.reject_reason,
                              None if state.logprobs is None else state.logprobs[tokens_from:],
-                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error)
+                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error, state.num_cached_tokens)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
@@ -144,6 +151,7 @@ class OutputProcessor:
         texts = []
         for out in outputs:
             state = self._requests[out.seq.request_id]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.seq.num_cached_tokens)
             if state.logprobs is not None and out.seq.request_id in logprobs:
                 state.logprobs.append((out.new_token_ids[-1], *logprobs[out.seq.request_id]))
             if state.detokenizer is None:
@@ -196,15 +204,25 @@ class OutputProcessor:
             to_finish.append((state.seq.request_id, reason))
 
     def _detokenize(self, states: list[RequestState], steps: list) -> list[str | None]:
-        """``detokenize`` the ``steps`` in one batched call; when it raises, one call per request,
-        None for those that still fail."""
+        """``detokenize`` the ``steps`` in one batched call per decoder (special tokens skipped or
+        kept); when one raises, one call per request, None for those that still fail."""
+        deltas: list[str | None] = [None] * len(steps)
+        for decode in (self.decode, self.decode_special):
+            group = [i for i, (detok, _, _) in enumerate(steps) if detok.decode is decode]
+            for i, delta in zip(group, self._detokenize_with(decode, [states[i] for i in group],
+                                                            [steps[i] for i in group])):
+                deltas[i] = delta
+        return deltas
+
+    @staticmethod
+    def _detokenize_with(decode, states: list[RequestState], steps: list) -> list[str | None]:
         try:
-            return detokenize(self.decode, steps)
+            return detokenize(decode, steps)
         except Exception:
             deltas = []
             for state, step in zip(states, steps):
                 try:
-                    deltas += detokenize(self.decode, [step])
+                    deltas += detokenize(decode, [step])
                 except Exception:
                     log.exception("request %s: its output could not be detokenised", state.seq.request_id)
                     deltas.append(None)
@@ -213,13 +231,15 @@ class OutputProcessor:
     @staticmethod
     def _cut_at_stop_string(state: RequestState, delta: str) -> bool:
         """Cut the text before the first of the request's stop strings that ends in the new text
-        ``delta``; True when one did."""
+        ``delta`` (after it with ``include_stop_str_in_output``); True when one did."""
         stops = state.seq.sampling_params.stop
         if not stops:
             return False
         detok = state.detokenizer
         window = detok.tail(len(delta) + max(map(len, stops)) - 1)  # a stop string ending in the delta
-        hits = [i for i in (window.find(s) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((window.find(s), s) for s in stops) if i >= 0]
         if hits:
-            detok.truncate(detok.length - len(window) + min(hits))
+            at, length = min(hits, key=lambda hit: hit[0])
+            kept = at + length if state.seq.sampling_params.include_stop_str_in_output else at
+            detok.truncate(detok.length - len(window) + kept)
         return bool(hits)

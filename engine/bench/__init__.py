@@ -5,7 +5,12 @@ latency     B=1 decode tok/s and ms/token, TTFT at 128 / 1024 / 4096-token promp
 throughput  nano-vllm's shape: 256 sequences, random prompt and output lengths in [100, 1024],
             random token ids, ignore_eos; output and total tok/s
 serve       an HTTP client for a running ``python -m engine serve`` (streaming /v1/completions):
-            TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput
+            TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput;
+            ``--structured json_schema tools``: per workload, plain requests then constrained
+            ones under the same load (``response_format`` json_schema on /v1/completions; tools
+            with ``tool_choice: "required"`` on /v1/chat/completions), the constrained answers
+            validated, output tok/s and TTFT / ITL of each side, their ratios, the grammar's
+            compile ms (cold, cached) and host us per mask fill at 64 rows (``engine.bench.structured``)
 overlap     overlapped against synchronous engine steps on a simulated device (a fixed delay per
             step; the engine's host work is real): step, host and device ms per step (CPU, seconds)
 spec        speculative decoding (n-gram drafts) at B=1: a code-editing and a plain-completion
@@ -22,6 +27,7 @@ The report is the last line of stdout (and ``--output FILE``); progress bars go 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -101,6 +107,17 @@ def add_bench_command(commands) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     serve.add_argument("--health-timeout", type=float, default=60.0, help="seconds to wait for /health")
+    structured = serve.add_argument_group("structured outputs (engine.bench.structured)")
+    structured.add_argument("--structured", nargs="+", choices=["json_schema", "tools"], default=None,
+                            help="instead of the plain load: each workload's plain and constrained loads, "
+                                 "compared (tools needs a chat template: skipped without one)")
+    structured.add_argument("--tokenizer", metavar="DIR", default=None,
+                            help="with --preset: the served model's tokenizer (and chat template) from DIR "
+                                 "instead of a one-word one (--structured needs a real tokenizer)")
+    structured.add_argument("--chat-template", metavar="FILE", default=None,
+                            help="with --launch: the server's --chat-template (a template rendering tools)")
+    structured.add_argument("--mask-steps", type=int, default=200,
+                            help="steps of the timed 64-row grammar mask fill (default 200)")
     for mode in (latency, throughput, serve, spec):
         mode.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights (default 0)")
         mode.add_argument("--output", metavar="FILE", help="also write the JSON report here")
@@ -281,16 +298,41 @@ def run_serve(args: argparse.Namespace) -> dict:
 
     prompts, output_lens = serve_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                                           model_config(args).vocab_size, args.seed)
+    load = functools.partial(run_structured, args=args) if args.structured else bench_serve
     if not args.launch:
-        return bench_serve(args.url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
-                           args.health_timeout)
+        return load(args.url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
+                    args.health_timeout)
     server, url = launch_server(server_command(args))
     try:
-        return {"url": url, **bench_serve(url, prompts, output_lens, args.request_rate, args.max_concurrency,
-                                           args.seed, args.health_timeout)}
+        return {"url": url, **load(url, prompts, output_lens, args.request_rate, args.max_concurrency, args.seed,
+                                   args.health_timeout)}
     finally:
         server.terminate()
         server.wait(60)
+
+
+def run_structured(url: str, prompts, output_lens, request_rate: float, max_concurrency: int | None, seed: int,
+                   health_timeout_s: float, *, args: argparse.Namespace) -> dict:
+    """``--structured``: each workload's report (``engine.bench.structured``), the grammars
+    compiled over the served model's tokenizer (``--tokenizer`` for a preset)."""
+    import asyncio
+
+    from engine.bench.serve import wait_healthy
+    from engine.bench.structured import bench_structured
+    from engine.engine_config import DEFAULT_MODEL_DIR
+    from engine.llm_engine import load_tokenizer
+
+    if args.preset and not args.tokenizer:
+        raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
+    tokenizer = load_tokenizer(Path(args.tokenizer if args.preset else args.model or DEFAULT_MODEL_DIR))
+    config = model_config(args)
+    stop_ids = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    url = url.rstrip("/")
+    asyncio.run(wait_healthy(url, health_timeout_s))
+    return {"structured": {workload: bench_structured(url, workload, prompts, output_lens, tokenizer,
+                                                      config.vocab_size, stop_ids, config.architecture, request_rate,
+                                                      max_concurrency, seed, args.mask_steps)
+                           for workload in args.structured}}
 
 
 def server_command(args: argparse.Namespace) -> list[str]:
@@ -298,9 +340,11 @@ def server_command(args: argparse.Namespace) -> list[str]:
     checkpoint, ``python -m engine.bench.preset_server`` for a preset; same engine options."""
     if args.preset:
         command = [sys.executable, "-m", "engine.bench.preset_server", "--preset", args.preset, "--seed",
-                   str(args.seed)]
+                   str(args.seed)] + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
     else:
         command = [sys.executable, "-m", "engine", "serve"]
+    if args.chat_template:
+        command += ["--chat-template", args.chat_template]
     return command + EngineArgs.from_cli_args(args).to_cli_args() + ["--port", "0"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import zlib
 from contextlib import contextmanager
@@ -123,17 +124,27 @@ def hf_parameter_value(name: str, shape, seed: int, device: torch.device, dtype:
                                    for part in parts]) for e in range(shape[0])])
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "chat_template.jinja")
+
+
 @contextmanager
-def preset_model_dir(preset: dict):
+def preset_model_dir(preset: dict, tokenizer_dir: str | None = None):
     """A temporary model directory holding the preset's config.json and a one-word tokenizer
-    (benchmarks feed token ids; the engine still wants a tokenizer to exist)."""
+    (benchmarks feed token ids; the engine still wants a tokenizer to exist), or the tokenizer
+    files of ``tokenizer_dir`` (structured outputs need a real vocabulary; ids past its size are
+    never generated under a grammar)."""
     from tokenizers import Tokenizer, models
 
     with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
         path = Path(tmp)
         (path / "config.json").write_text(json.dumps(preset))
-        Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        if tokenizer_dir is None:
+            Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+            (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, path / name)
         yield path
 
 
@@ -156,15 +167,17 @@ def weights_instead_of_checkpoint(tensors_for):
 
 @contextmanager
 def random_weights_args(args: argparse.Namespace):
-    """Inside: ``args`` with ``model`` set to a directory of ``args.preset``'s config, and every
-    ModelRunner built filling its model with the preset's random weights (``args.seed``)."""
+    """Inside: ``args`` with ``model`` set to a directory of ``args.preset``'s config (and the
+    tokenizer of ``args.tokenizer``, when given), and every ModelRunner built filling its model
+    with the preset's random weights (``args.seed``)."""
     preset = PRESETS[args.preset]
 
     def tensors_for(model):
         param = next(model.parameters())
         return random_checkpoint(preset, args.seed, param.device, param.dtype)
 
-    with preset_model_dir(preset) as model_dir, weights_instead_of_checkpoint(tensors_for):
+    with preset_model_dir(preset, getattr(args, "tokenizer", None)) as model_dir, \
+            weights_instead_of_checkpoint(tensors_for):
         yield argparse.Namespace(**{**vars(args), "model": str(model_dir)})
 
 

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     options = commands.choices["serve"]
     options.add_argument("--preset", choices=sorted(PRESETS), required=True)
     options.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    options.add_argument("--tokenizer", metavar="DIR", default=None,
+                         help="the tokenizer files of DIR instead of a one-word tokenizer")
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     args.served_model_name = args.served_model_name or args.preset
     with random_weights_args(args) as preset_args:

@@ -1,7 +1,9 @@
 """``bench serve``: an HTTP load generator for an OpenAI-compatible ``/v1/completions`` server,
-with vLLM's benchmark conventions. Requests stream (SSE); prompts are random token ids.
+with vLLM's benchmark conventions. Requests stream (SSE); prompts are random token ids (or,
+for chat routes, text; ``engine.bench.structured`` shapes constrained requests).
 
-Per request: TTFT (send -> first chunk with a choice), ITL (gaps between later ones), TPOT
+Per request: TTFT (send -> first chunk with a choice; a chat stream's opening role chunk does not
+count), ITL (gaps between later ones), TPOT
 ((E2E - TTFT) / (output tokens - 1)), E2E latency; output tokens from the final usage chunk.
 Arrivals are a Poisson process of ``request_rate`` per second (inf: all at once), at most
 ``max_concurrency`` requests in flight."""
@@ -31,6 +33,15 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""                                         # the text (a chat's content) streamed
+    tool_calls: list[dict] = field(default_factory=list)   # chat: {"name", "arguments"} per call, assembled
+    finish_reason: str | None = None
+
+
+def plain_request(prompt: list[int], max_tokens: int) -> tuple[str, dict]:
+    """(route, body) of the plain load: a streamed completion of ``max_tokens`` tokens (ignore_eos)."""
+    return "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                               "stream": True, "stream_options": {"include_usage": True}}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,13 +59,14 @@ def summary_ms(values: list[float]) -> dict:
             "p99": 1e3 * percentile(values, 99)}
 
 
-async def send_request(session, url: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def send_request(session, url: str, prompt, max_tokens: int, shape=plain_request) -> RequestResult:
+    """Stream the request ``shape(prompt, max_tokens)`` ((route, body)) and time it. A prompt
+    that is text counts the prompt tokens the server's usage reports."""
+    route, body = shape(prompt, max_tokens)
     result = RequestResult(len(prompt))
     start = last = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with session.post(f"{url}{route}", json=body) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
                 return result
@@ -70,7 +82,9 @@ async def send_request(session, url: str, prompt: list[int], max_tokens: int) ->
                     result.error = str(chunk["error"].get("message", chunk["error"]))[:500]
                     continue
                 now = time.perf_counter()
-                if chunk.get("choices"):  # new text, or the finish (a token may decode to no text yet)
+                choices = chunk.get("choices")
+                if choices and "role" not in choices[0].get("delta", {}):  # new text, or the finish
+                    _take(result, choices[0])                       # (a token may decode to no text yet)
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -78,12 +92,27 @@ async def send_request(session, url: str, prompt: list[int], max_tokens: int) ->
                     last = now
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    if isinstance(prompt, str):
+                        result.prompt_len = chunk["usage"]["prompt_tokens"]
     except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
         result.error = f"{type(e).__name__}: {e}"[:500]
     result.e2e = time.perf_counter() - start
     if result.ok and result.output_tokens == 0:
         result.ok, result.error = False, "the stream carried no usage chunk"
     return result
+
+
+def _take(result: RequestResult, choice: dict) -> None:
+    """Add a streamed choice's text, tool-call fragments and finish reason to ``result``."""
+    delta = choice.get("delta", choice)
+    result.text += delta.get("text") or delta.get("content") or ""
+    for call in delta.get("tool_calls") or []:
+        while len(result.tool_calls) <= call["index"]:
+            result.tool_calls.append({"name": "", "arguments": ""})
+        function = call.get("function", {})
+        result.tool_calls[call["index"]]["name"] += function.get("name") or ""
+        result.tool_calls[call["index"]]["arguments"] += function.get("arguments") or ""
+    result.finish_reason = choice.get("finish_reason") or result.finish_reason
 
 
 def serve_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int):
@@ -97,22 +126,24 @@ def serve_workload(num_prompts: int, input_len: int, output_len: int, range_rati
     return prompts, [length(output_len) for _ in range(num_prompts)]
 
 
-async def run_load(url: str, prompts: list[list[int]], output_lens: list[int], request_rate: float,
-                   max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
-    """Send every request (Poisson arrivals, bounded concurrency); results and wall seconds."""
+async def run_load(url: str, prompts: list, output_lens: list[int], request_rate: float,
+                   max_concurrency: int | None, seed: int, shape=plain_request,
+                   desc: str = "serve") -> tuple[list[RequestResult], float]:
+    """Send every request ``shape(prompt, max_tokens)`` (Poisson arrivals, bounded concurrency);
+    results and wall seconds."""
     import aiohttp
 
     rng = random.Random(seed + 1)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        with tqdm(total=len(prompts), desc="serve", unit="req") as bar:
+        with tqdm(total=len(prompts), desc=desc, unit="req") as bar:
             async def one(prompt, max_tokens):
                 if limit is None:
-                    result = await send_request(session, url, prompt, max_tokens)
+                    result = await send_request(session, url, prompt, max_tokens, shape)
                 else:
                     async with limit:
-                        result = await send_request(session, url, prompt, max_tokens)
+                        result = await send_request(session, url, prompt, max_tokens, shape)
                 bar.update()
                 return result
 

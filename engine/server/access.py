@@ -1,8 +1,9 @@
 """Who may call the server: an API key, cross-origin browsers, TLS.
 
-``api_key_middleware(key)``: every ``/v1/*`` route answers 401 with an OpenAI error object unless
-the request carries ``Authorization: Bearer <key>`` (compared in constant time); ``OPEN_ROUTES``
-(``/health``, ``/metrics``, ``/version``) stay open, as do ``OPTIONS`` preflights.
+``api_key_middleware(key)``: every route (``/v1/*``, ``/tokenize``, ``/detokenize``) answers 401
+with an OpenAI error object unless the request carries ``Authorization: Bearer <key>`` (compared in
+constant time); ``OPEN_ROUTES`` (``/health``, ``/metrics``, ``/version``) stay open, as do
+``OPTIONS`` preflights.
 ``cors_middleware(origins)``: answers a browser's preflight and adds ``Access-Control-Allow-*``
 headers for the listed origins (``*`` for any); without it (the default) no CORS header is sent
 and browsers on other origins are refused by their own same-origin rule.
@@ -28,14 +29,14 @@ def _unauthorized(message: str) -> web.Response:
 
 
 def api_key_middleware(key: str):
-    """A middleware refusing ``/v1/*`` requests without ``Authorization: Bearer key`` (401)."""
+    """A middleware refusing requests (but to ``OPEN_ROUTES``) without ``Authorization: Bearer key`` (401)."""
     if not key:
         raise ValueError("the API key must not be empty")
     expected = key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
-        if request.method == "OPTIONS" or request.path in OPEN_ROUTES or not request.path.startswith("/v1"):
+        if request.method == "OPTIONS" or request.path in OPEN_ROUTES:
             return await handler(request)
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:

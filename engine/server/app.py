@@ -1,23 +1,30 @@
 """The HTTP server and the ``serve`` command: ``python -m engine serve``.
 
-Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``,
+Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /v1/models``,
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with
-``stream``). Errors are OpenAI error objects: 400 for a malformed or invalid request, 404 for an
-unknown route or model, 500 when the engine failed on the request, 503 while shutting down.
-Without max_tokens a completion gets 16 tokens and a chat completion the whole room left, each
-capped by max_model_len. SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503,
-in-flight ones finish for up to ``--shutdown-timeout`` seconds, then the rest end with an error.
-A second signal stops at once. Under torchrun rank 0 serves; every rank steps.
+``stream``), ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count",
+"max_model_len"}``) and ``POST /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``). With an API key
+every route but ``/health``, ``/metrics`` and ``/version`` needs it. Chat outputs are read by the
+tool-call and reasoning parsers (``engine.server.chat_output``); a constrained request's grammar
+is compiled off the event loop before it reaches the engine. Errors are OpenAI error objects:
+400 for a malformed or invalid request, 401 without the API key, 404 for an unknown route or
+model, 500 when the engine failed on the request, 503 while shutting down. Without max_tokens a
+completion gets 16 tokens and a chat completion the whole room left, each capped by max_model_len.
+SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503, in-flight ones finish for up to
+``--shutdown-timeout`` seconds, then the rest end with an error. A second signal stops at once.
+Under torchrun rank 0 serves; every rank steps.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import copy
+import importlib.metadata
 import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -26,9 +33,14 @@ from aiohttp import web
 
 from engine.engine_args import EngineArgs
 from engine.output_processor import RequestOutput
+from engine.server import reasoning
+from engine.server.access import api_key_middleware, cors_middleware, ssl_context
+from engine.server.chat_output import ChatParsing, ChatStream
 from engine.server.engine_loop import EngineLoop, Stream, mirror_rank0
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import MAX_BODY_BYTES, APIError, GenerationRequest, OpenAIProtocol, parse_json, usage
+from engine.server.tool_parsers import tool_parser
+from engine.structured.spec import StructuredOutputError, StructuredSpec
 
 log = logging.getLogger("engine.server")
 
@@ -54,20 +66,36 @@ async def _error_objects(request: web.Request, handler):
 class OpenAIServer:
     """The HTTP front of an EngineLoop. ``await start(host, port)`` returns the bound port (0 picks
     a free one); ``await shutdown(timeout)`` drains; ``await stop()`` shuts HTTP and the engine
-    loop down; ``done`` is set once the engine loop has ended."""
+    loop down; ``done`` is set once the engine loop has ended.
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str):
+    Agents' options: ``tool_call_parser`` (a name of ``engine.server.tool_parsers``; None: the
+    architecture's default, read when a request first uses tools; "none": tools are refused),
+    ``reasoning_parser`` (None: off), ``chat_template`` (replaces the tokenizer's), ``api_key``
+    (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
+    HTTPS). Parser names given are checked here; the agent path runs only for what uses it."""
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
+                 allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None):
         engine = engine_loop.engine
         self.engine_loop, self.model_name = engine_loop, model_name
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
-        self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size)
+        if tool_call_parser is not None or reasoning_parser is not None:
+            self._check_parser_names(tool_call_parser, reasoning_parser)
+        self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size,
+                                       tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                       chat_template=chat_template, architecture=engine.config.architecture)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.done = asyncio.Event()
-        self.app = web.Application(middlewares=[_error_objects], client_max_size=MAX_BODY_BYTES)
+        middlewares = self._access(api_key, allowed_origins or []) if api_key or allowed_origins else []
+        self.ssl_context = self._tls(*ssl_files) if ssl_files else None
+        self.app = web.Application(middlewares=[*middlewares, _error_objects], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
-                             web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
-                             web.post("/v1/chat/completions", self.chat_completions)])
+                             web.get("/version", self.version), web.get("/v1/models", self.models),
+                             web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions),
+                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
         self.app.on_shutdown.append(self._stop_engine_loop)
         self._runner: web.AppRunner | None = None
 
@@ -76,7 +104,7 @@ class OpenAIServer:
         self.engine_loop.on_exit = lambda: event_loop.call_soon_threadsafe(self.done.set)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context).start()
         self.engine_loop.start()
         return self._runner.addresses[0][1]
 
@@ -100,6 +128,54 @@ class OpenAIServer:
     async def _stop_engine_loop(self, app: web.Application) -> None:
         await asyncio.to_thread(self.engine_loop.stop)
 
+    # ---- agents (phase 14) --------------------------------------------------------------------
+
+    @staticmethod
+    def _check_parser_names(tool_call: str | None, reasoning_name: str | None) -> None:
+        """The parser names given (None: not given) name parsers: else a ValueError listing the choices."""
+        if tool_call is not None:
+            tool_parser(tool_call)
+        if reasoning_name is not None:
+            reasoning.reasoning_parser(reasoning_name)
+
+    @staticmethod
+    def _access(api_key: str | None, allowed_origins: list[str]) -> list:
+        """The middlewares of CORS (for ``allowed_origins``) and the API key, outermost first: a
+        browser's preflight is answered before the key is asked for."""
+        return ([cors_middleware(allowed_origins)] if allowed_origins else []) + (
+            [api_key_middleware(api_key)] if api_key else [])
+
+    @staticmethod
+    def _tls(certfile: str, keyfile: str) -> ssl.SSLContext:
+        return ssl_context(certfile, keyfile)
+
+    async def _compile(self, spec: StructuredSpec) -> None:
+        """Compile ``spec`` off the event loop (the engine's own compile is then a cache hit); a
+        spec the compiler refuses is a 400 naming its field."""
+        try:
+            await self.engine_loop.engine.grammar_compiler.compile_async(spec)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    @staticmethod
+    def _parsed_message(parsing: ChatParsing, choice: dict) -> dict:
+        """A whole chat choice with its message read by the parsers (tool calls, reasoning)."""
+        message, finish_reason = parsing.message(choice["message"]["content"], choice["finish_reason"])
+        return {**choice, "message": message, "finish_reason": finish_reason}
+
+    @staticmethod
+    def _chat_stream(parsing: ChatParsing) -> ChatStream:
+        return parsing.stream()
+
+    @staticmethod
+    def _parsed_deltas(stream: ChatStream, update: RequestOutput) -> tuple[list[dict], str | None]:
+        """The chat deltas of one update of a parsed choice, and its finish reason once it ends."""
+        deltas = stream.feed(update.text)
+        if not update.finished:
+            return deltas, None
+        more, finish_reason = stream.finish(update.finish_reason)
+        return deltas + more, finish_reason
+
     # ---- routes -------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
@@ -117,6 +193,16 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "agent-infer",
              "max_model_len": self.max_model_len}]})
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": importlib.metadata.version("agent-infer")})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        tokens = self.protocol.tokenize(parse_json(await request.read()))
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response({"prompt": self.protocol.detokenize(parse_json(await request.read()))})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, self.protocol.completion(parse_json(await request.read())))
 
@@ -126,6 +212,8 @@ class OpenAIServer:
     # ---- generation ---------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
+        if gen.structured is not None:
+            await self._compile(gen.structured)
         bell = asyncio.Event()
         streams = [Stream(c.prompt_token_ids, c.params, c.index, bell) for c in gen.choices]
         try:
@@ -160,11 +248,10 @@ class OpenAIServer:
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
             lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
-            choices.append(self.protocol.choice(gen.chat, s.index, "".join(parts), final.finish_reason, lp))
+            choice = self.protocol.choice(gen.chat, s.index, "".join(parts), final.finish_reason, lp)
+            choices.append(choice if gen.parsing is None else self._parsed_message(gen.parsing, choice))
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": usage(gen.num_prompt_tokens, sum(counts),
-                                                 sum(f.num_draft_tokens for f in finals),
-                                                 sum(f.num_accepted_tokens for f in finals))})
+                                  "usage": _usage(gen, sum(counts), finals)})
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -182,6 +269,7 @@ class OpenAIServer:
         sent = [0] * len(streams)         # characters sent
         tokens = [0] * len(streams)
         finals: list[RequestOutput | None] = [None] * len(streams)
+        parsers = None if gen.parsing is None else [self._chat_stream(gen.parsing) for _ in streams]
         try:
             if gen.chat:
                 for s in streams:
@@ -202,19 +290,35 @@ class OpenAIServer:
                             raise _StreamEnded from None
                     lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
                           if gen.logprobs and update.logprobs else None)
-                    await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, update.text,
-                                                                         update.finish_reason, lp)]})
+                    if parsers is None:
+                        await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, update.text,
+                                                                             update.finish_reason, lp)]})
+                    else:  # one chunk per delta the parsers make; the logprobs ride on the first
+                        deltas, finish_reason = self._parsed_deltas(parsers[i], update)
+                        if deltas or lp is not None or update.finished:
+                            deltas = deltas or [{}]
+                            for k, delta in enumerate(deltas):
+                                await send({**head, "choices": [{
+                                    "index": s.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                                    "finish_reason": finish_reason if k == len(deltas) - 1 else None}]})
                     sent[i] += len(update.text)
                     tokens[i] += len(update.token_ids)
             if gen.include_usage:
-                await send({**head, "choices": [], "usage": usage(gen.num_prompt_tokens, sum(tokens),
-                                                                   sum(f.num_draft_tokens for f in finals),
-                                                                   sum(f.num_accepted_tokens for f in finals))})
+                await send({**head, "choices": [], "usage": _usage(gen, sum(tokens), finals)})
             await send("[DONE]")
             await response.write_eof()
         except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it
             pass
         return response
+
+
+def _usage(gen: GenerationRequest, num_completion_tokens: int, finals: list[RequestOutput]) -> dict:
+    """The usage object of a finished request: each prompt's cached tokens counted once (its first choice's)."""
+    cached: dict[int, int] = {}
+    for choice, final in zip(gen.choices, finals):
+        cached.setdefault(choice.prompt_index, final.num_cached_tokens)
+    return usage(gen.num_prompt_tokens, num_completion_tokens, sum(f.num_draft_tokens for f in finals),
+                 sum(f.num_accepted_tokens for f in finals), sum(cached.values()))
 
 
 class _StreamEnded(Exception):
@@ -235,9 +339,10 @@ def _raise_if_failed(update: RequestOutput) -> None:
 def add_serve_command(commands) -> None:
     """Add ``serve`` to the ``python -m engine`` subcommands."""
     parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                                 description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                             "/metrics. Under torchrun rank 0 serves; SIGTERM or SIGINT drains "
-                                             "(a second one stops at once) and stops every rank.")
+                                 description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                                             "/detokenize, /version, /health and /metrics. Under torchrun rank 0 "
+                                             "serves; SIGTERM or SIGINT drains (a second one stops at once) and "
+                                             "stops every rank.")
     EngineArgs.add_cli_args(parser)
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -250,6 +355,22 @@ def add_serve_command(commands) -> None:
                       help="seconds between the stats lines logged while busy (default 10)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log level (default info: a line per finished request and the stats lines)")
+    agents = parser.add_argument_group("agents and access")
+    agents.add_argument("--tool-call-parser", default=None,
+                        help="how tool calls are read from the output: hermes (Qwen's <tool_call> blocks), "
+                             "llama3_json, or none (tools refused); default: the architecture's")
+    agents.add_argument("--reasoning-parser", default=None,
+                        help="split the reasoning off the output into reasoning_content: qwen3 or deepseek_r1 "
+                             "(default: off)")
+    agents.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file replacing the tokenizer's")
+    agents.add_argument("--api-key", default=os.environ.get("AGENT_INFER_API_KEY"),
+                        help="every route but /health, /metrics and /version needs 'Authorization: Bearer KEY' "
+                             "(default: $AGENT_INFER_API_KEY; unset: open)")
+    agents.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="origins browsers may call from (CORS; '*' for any; default: none)")
+    agents.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate chain")
+    agents.add_argument("--ssl-keyfile", default=None, help="the private key of --ssl-certfile")
     parser.set_defaults(run=serve)
 
 
@@ -261,10 +382,17 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", engine.tp.rank))
         mirror_rank0(engine)
         return 0
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise SystemExit("serve: --ssl-certfile and --ssl-keyfile go together")
+    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     engine_loop = EngineLoop(engine, ServerMetrics(args.stats_interval))
     try:
-        asyncio.run(_serve(OpenAIServer(engine_loop, args.served_model_name or Path(engine.model_dir).name),
-                           args.host, args.port, args.shutdown_timeout))
+        server = OpenAIServer(engine_loop, args.served_model_name or Path(engine.model_dir).name,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              chat_template=chat_template, api_key=args.api_key,
+                              allowed_origins=args.allowed_origins,
+                              ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
+        asyncio.run(_serve(server, args.host, args.port, args.shutdown_timeout))
     finally:
         engine_loop.stop()
     return 1 if engine_loop.failure is not None else 0
@@ -286,7 +414,8 @@ async def _serve(server: OpenAIServer, host: str, port: int, shutdown_timeout: f
         event_loop.add_signal_handler(sig, on_signal)
     try:
         port = await server.start(host, port)
-        print(f"agent-infer: serving {server.model_name!r} on http://{host}:{port} (pid {os.getpid()})",
+        scheme = "https" if server.ssl_context else "http"
+        print(f"agent-infer: serving {server.model_name!r} on {scheme}://{host}:{port} (pid {os.getpid()})",
               file=sys.stderr, flush=True)
         await server.done.wait()
     finally:

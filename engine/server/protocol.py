@@ -6,7 +6,14 @@ silent: a request the engine could not run is a 400 naming the field, never a fa
 step. Every field is honoured or refused: OpenAI's fields that mean nothing to a server like
 this one (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored, as
 OpenAI-compatible servers do; a field this server knows but does not implement is refused when
-it asks for something (``REFUSED``); any other field is a 400 naming it.
+it asks for something (``REFUSED``: ``echo``, ``suffix``, ``prompt_logprobs``, a ``priority``
+other than 0, chat's ``add_special_tokens``); any other field is a 400 naming it.
+
+vLLM's sampling extensions are honoured: ``min_p``, ``logit_bias`` (OpenAI's ``{"token id": bias}``,
+ids in [0, vocab), biases in [-100, 100]), ``allowed_token_ids``, ``bad_words`` (each word banned
+as it tokenises with and without a leading space), ``include_stop_str_in_output``,
+``skip_special_tokens`` and, for completions, ``add_special_tokens`` (the prompt encoded with the
+tokenizer's special tokens).
 
 Chat requests may carry ``tools`` (rendered by the chat template, the output read by the
 server's tool-call parser; ``tool_choice`` ``"required"`` or a named function forces one call
@@ -29,7 +36,7 @@ from typing import Any
 
 from engine.sequence import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from engine.server.chat_output import ChatParsing
-from engine.server.tool_parsers import tool_parser
+from engine.server.tool_parsers import default_tool_parser, tool_parser
 from engine.server.tools import ToolRequest, ToolRequestError, call_schema, messages_for_template, validate_tools
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
@@ -42,15 +49,15 @@ IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}  # OpenAI's, mean
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
                  "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
-                 "structured_outputs", "until", "do_sample"} | IGNORED_FIELDS
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+                 "structured_outputs", "until", "do_sample", "min_p", "logit_bias", "allowed_token_ids",
+                 "bad_words", "include_stop_str_in_output", "skip_special_tokens"} | IGNORED_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs"}
-# fields this server knows and does not implement: refused unless they ask for nothing (one of these values)
-REFUSED = {"echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
-           "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
-           "skip_special_tokens": (None, True), "add_special_tokens": (None, False), "prompt_logprobs": (None,),
-           "priority": (None, 0), "lora_path": (None,)}
+# fields this server knows and does not implement (where the request kind does not take them):
+# refused unless they ask for nothing (one of these values)
+REFUSED = {"echo": (False, None), "suffix": (None, ""), "add_special_tokens": (None, False),
+           "prompt_logprobs": (None,), "priority": (None, 0), "lora_path": (None,)}
 # sampling fields generation_config.json may give defaults for (vLLM's), and OpenAI's own defaults
 GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 # chat_template_kwargs the server sets itself
@@ -134,16 +141,18 @@ class GenerationRequest:
 class OpenAIProtocol:
     """Parses requests against one model: its ``tokenizer`` (for text prompts, chat templates and
     token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
-    (``engine.server.tool_parsers``; "none": tools are refused) reads tool calls,
+    (``engine.server.tool_parsers``; "none": tools are refused; None: the default of the
+    checkpoint's ``architecture``, read when a request first uses tools) reads tool calls,
     ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
     tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults)."""
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
-                 tool_call_parser: str = "none", reasoning_parser: str | None = None,
-                 chat_template: str | None = None, generation_config: dict | None = None):
+                 tool_call_parser: str | None = "none", reasoning_parser: str | None = None,
+                 chat_template: str | None = None, generation_config: dict | None = None, architecture: str = ""):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.architecture = architecture
         self.chat_template = chat_template
         self.defaults = sampling_defaults(generation_config or {})
         self._token_text: dict[int, str] = {}
@@ -153,7 +162,7 @@ class OpenAIProtocol:
     def completion(self, body: dict) -> GenerationRequest:
         self._check_fields(body, COMPLETION_FIELDS)
         logprobs = _bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
-        prompts = self._completion_prompts(body.get("prompt"))
+        prompts = self._completion_prompts(body.get("prompt"), field(body, "add_special_tokens", bool, False))
         max_tokens = _bounded_int(body, "max_tokens", 1, MAX_SEED, None)
         structured = self._structured(body) if _constrained(body) else None
         return self._request(body, prompts, max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, chat=False,
@@ -190,12 +199,16 @@ class OpenAIProtocol:
             if structured is not None:
                 raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
                                     "'structured_outputs' cannot constrain one output together", param="tool_choice")
-            parser = tool_parser(self.tool_call_parser)
+            parser = tool_parser(self._tool_call_parser())
             structured = tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key),
                                         parser.call_suffix)
         reads_tools = bool(tools.tools) and tools.tool_choice != "none"
-        return rendered, structured, ChatParsing(self.tool_call_parser if reads_tools else None,
+        return rendered, structured, ChatParsing(self._tool_call_parser() if reads_tools else None,
                                                  self.reasoning_parser, rendered)
+
+    def _tool_call_parser(self) -> str:
+        """The tool-call parser's name: the one given, else the architecture's default."""
+        return default_tool_parser(self.architecture) if self.tool_call_parser is None else self.tool_call_parser
 
     def _tool_request(self, body: dict) -> ToolRequest:
         """The request's tool fields, checked; tools to read need a tool-call parser."""
@@ -203,7 +216,7 @@ class OpenAIProtocol:
             tools = validate_tools(body)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if tools.tools and tools.tool_choice != "none" and self.tool_call_parser == "none":
+        if tools.tools and tools.tool_choice != "none" and self._tool_call_parser() == "none":
             raise APIError(400, "this server reads no tool calls from the model's output: start it with "
                                 "--tool-call-parser (hermes for Qwen, llama3_json for Llama), or send "
                                 "tool_choice 'none'", param="tools")
@@ -225,7 +238,7 @@ class OpenAIProtocol:
         best_of = _bounded_int(body, "best_of", 1, MAX_N, n)
         if best_of != n:
             raise APIError(400, f"'best_of' must equal 'n' ({n}) here, got {best_of}", param="best_of")
-        params = self._sampling_params(body, logprobs)
+        params = dataclasses.replace(self._sampling_params(body, logprobs), structured=structured)
         choices = []
         for p_index, prompt in enumerate(prompts):
             fitted = self._fit(prompt, params, max_tokens, default_max, "messages" if chat else "prompt")
@@ -241,10 +254,12 @@ class OpenAIProtocol:
     def _check_fields(body: dict, known: set[str]) -> None:
         """Every field is known here, or refused naming it (``REFUSED``: unless it asks for nothing)."""
         for name, value in body.items():
+            if name in known:
+                continue
             if name in REFUSED:
                 if not any(value == v and type(value) is type(v) for v in REFUSED[name]):
                     raise APIError(400, f"'{name}' is not supported by this server", param=name)
-            elif name not in known:
+            else:
                 raise APIError(400, f"unknown field '{name}'", param=name)
 
     def _check_model(self, body: dict) -> None:
@@ -269,6 +284,10 @@ class OpenAIProtocol:
         defaults = self.defaults
         try:
             return SamplingParams(
+                min_p=field(body, "min_p", float, 0.0), logit_bias=self._logit_bias(body),
+                allowed_token_ids=self._allowed_token_ids(body), bad_words_token_ids=self._bad_words(body),
+                include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False),
+                skip_special_tokens=field(body, "skip_special_tokens", bool, True),
                 temperature=(0.0 if field(body, "do_sample", bool, True) is False  # HF-style greedy
                              else field(body, "temperature", float, defaults["temperature"])),
                 top_p=field(body, "top_p", float, defaults["top_p"]),
@@ -282,10 +301,52 @@ class OpenAIProtocol:
                 max_tokens=MAX_SEED)  # a placeholder bound: _fit sets each prompt's own
         except ValueError as e:  # "SamplingParams.<field> must be ..."
             name = str(e).removeprefix("SamplingParams.").split(" ", 1)[0]
+            name = {"bad_words_token_ids": "bad_words"}.get(name, name)
             raise APIError(400, str(e).removeprefix("SamplingParams."), param=name) from None
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """A string, an array of strings, token ids or an array of token-id arrays -> token-id prompts."""
+    def _token_id(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size
+
+    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``{"token id": bias}``: ids (decimal strings) in [0, vocab), biases in [-100, 100]."""
+        pairs = []
+        for key, bias in field(body, "logit_bias", dict, {}).items():
+            token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+            if not self._token_id(token_id):
+                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                               param="logit_bias")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
+                raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(bias)}",
+                               param="logit_bias")
+            pairs.append((token_id, float(bias)))
+        return tuple(pairs)
+
+    def _allowed_token_ids(self, body: dict) -> tuple[int, ...] | None:
+        allowed = field(body, "allowed_token_ids", list)
+        if allowed is not None and not (allowed and all(map(self._token_id, allowed))):
+            raise APIError(400, f"'allowed_token_ids' must be a non-empty array of token ids in [0, {self.vocab_size})",
+                           param="allowed_token_ids")
+        return None if allowed is None else tuple(allowed)
+
+    def _bad_words(self, body: dict) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as it tokenises alone and after a space (vLLM's rule: banned at
+        the start of the text and inside it); a word that tokenises to nothing is a 400."""
+        words = field(body, "bad_words", list, [])
+        if not all(isinstance(w, str) for w in words):
+            raise APIError(400, "'bad_words' must be an array of strings", param="bad_words")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if not ids:
+                    raise APIError(400, f"the bad word {word!r} tokenises to nothing", param="bad_words")
+                if ids not in sequences:
+                    sequences.append(ids)
+        return tuple(sequences)
+
+    def _completion_prompts(self, prompt: Any, add_special_tokens: bool = False) -> list[list[int]]:
+        """A string, an array of strings, token ids or an array of token-id arrays -> token-id prompts
+        (strings encoded with the tokenizer's special tokens when ``add_special_tokens``)."""
         def is_ids(p):
             return isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
@@ -298,7 +359,7 @@ class OpenAIProtocol:
         for p in prompt:
             if not isinstance(p, str) and not all(0 <= t < self.vocab_size for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return [self._encode(p, "prompt") if isinstance(p, str) else p for p in prompt]
+        return [self._encode(p, "prompt", add_special_tokens) if isinstance(p, str) else p for p in prompt]
 
     def _render_chat(self, messages: Any, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
@@ -331,8 +392,8 @@ class OpenAIProtocol:
         except Exception as e:  # jinja2 errors, e.g. a template's raise_exception for a role order
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
 
-    def _encode(self, text: str, param: str) -> list[int]:
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # as LLMEngine.add_request(str)
+    def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # as LLMEngine.add_request(str)
         if not token_ids:
             raise APIError(400, "the prompt encodes to no tokens", param=param)
         return token_ids
@@ -356,6 +417,26 @@ class OpenAIProtocol:
             raise APIError(400, f"'min_tokens' ({params.min_tokens}) exceeds max_tokens ({fitted})",
                            param="min_tokens")
         return dataclasses.replace(params, max_tokens=fitted)
+
+    def tokenize(self, body: dict) -> list[int]:
+        """A /tokenize body, ``{"prompt": text}`` (encoded as a completion's prompt; with
+        ``add_special_tokens``) or ``{"messages": [...]}`` (rendered as a chat's), as token ids."""
+        self._check_fields(body, {"model", "prompt", "messages", "add_special_tokens"})
+        self._check_model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
+        if "messages" in body:
+            return self._encode(self._render_chat(body["messages"]), "messages")
+        return self._encode(field(body, "prompt", str, ""), "prompt", field(body, "add_special_tokens", bool, False))
+
+    def detokenize(self, body: dict) -> str:
+        """A /detokenize body, ``{"tokens": [ids]}``, as text."""
+        self._check_fields(body, {"model", "tokens"})
+        self._check_model(body)
+        tokens = field(body, "tokens", list, [])
+        if not all(map(self._token_id, tokens)):
+            raise APIError(400, f"'tokens' must be an array of token ids in [0, {self.vocab_size})", param="tokens")
+        return self.tokenizer.decode(tokens)
 
     # ---- responses ---------------------------------------------------------------------------
 
@@ -405,12 +486,14 @@ class OpenAIProtocol:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: int = 0,
-          num_accepted_tokens: int = 0) -> dict:
-    """OpenAI's usage object; with speculative decoding's drafts, OpenAI's names for them
-    (predicted outputs): ``completion_tokens_details.accepted_prediction_tokens`` /
+          num_accepted_tokens: int = 0, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object, with the prompt tokens found in the prefix cache
+    (``prompt_tokens_details.cached_tokens``); with speculative decoding's drafts, OpenAI's names
+    for them (predicted outputs): ``completion_tokens_details.accepted_prediction_tokens`` /
     ``rejected_prediction_tokens``."""
     counts = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-              "total_tokens": num_prompt_tokens + num_completion_tokens}
+              "total_tokens": num_prompt_tokens + num_completion_tokens,
+              "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
     if num_draft_tokens:
         counts["completion_tokens_details"] = {"accepted_prediction_tokens": num_accepted_tokens,
                                                "rejected_prediction_tokens": num_draft_tokens - num_accepted_tokens}

@@ -60,9 +60,10 @@ class Running:
 
 
 @contextlib.contextmanager
-def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | None = None):
+def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | None = None, **options):
     """Serve ``engine`` on a free loopback port from a background event loop; stopped on exit
-    (which, under torchrun, sends the worker ranks their stop command)."""
+    (which, under torchrun, sends the worker ranks their stop command). ``options`` go to
+    ``OpenAIServer`` (parsers, chat template, API key ...)."""
     event_loop = asyncio.new_event_loop()
     thread = threading.Thread(target=event_loop.run_forever, name="http", daemon=True)
     thread.start()
@@ -71,7 +72,7 @@ def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | No
         return asyncio.run_coroutine_threadsafe(coroutine, event_loop).result(timeout)
 
     async def make():
-        return OpenAIServer(EngineLoop(engine, metrics), model_name)
+        return OpenAIServer(EngineLoop(engine, metrics), model_name, **options)
 
     server = run(make())
     try:

@@ -5,15 +5,17 @@ LLMEngine on the same checkpoint gives the expected greedy outputs. Every test e
 the engine idle, every KV block free and every request forgotten.
 """
 import asyncio
+import importlib.metadata
 import json
 
 import pytest
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.sequence import SamplingParams
 from server_cases import (
     HANG_GUARD_S,
     PROMPTS,
+    VOCAB,
     assert_error_object,
     held_steps,
     http,
@@ -330,6 +332,38 @@ def test_bad_requests_get_error_objects(served, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="the")
     assert client.completions.create(model="tiny", prompt="the", max_tokens=3, **GREEDY).usage.completion_tokens == 3
+
+
+def test_tokenize_detokenize_and_version(served, client, model_dir):
+    """/tokenize encodes a prompt as a completion's (special tokens on request) and messages as a
+    chat's, /detokenize decodes, each as the tokenizer does; /version is the package's; bad bodies
+    are 400s naming the field."""
+    tokenizer = load_tokenizer(model_dir)
+    prompt = PROMPTS[2]
+    status, raw = http(served.url + "/tokenize", {"prompt": prompt})
+    expected = tokenizer.encode(prompt, add_special_tokens=False)
+    assert status == 200 and json.loads(raw) == {"tokens": expected, "count": len(expected),
+                                                 "max_model_len": MAX_MODEL_LEN}
+    messages = [{"role": "user", "content": prompt}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokens = json.loads(http(served.url + "/tokenize", {"messages": messages})[1])["tokens"]
+    assert tokens == tokenizer.encode(rendered, add_special_tokens=False)
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens == len(
+        tokens)
+    status, raw = http(served.url + "/detokenize", {"tokens": expected})
+    assert status == 200 and json.loads(raw) == {"prompt": tokenizer.decode(expected)} and tokenizer.decode(
+        expected) == prompt
+    status, raw = http(served.url + "/version", method="GET")
+    assert status == 200 and json.loads(raw) == {"version": importlib.metadata.version("agent-infer")}
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": "x"}, "messages"),
+                              ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
+                              ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+                              ("/detokenize", {"tokens": "a"}, "tokens"),
+                              ("/detokenize", {"tokens": [1], "model": "other"}, "model")]:
+        status, raw = http(served.url + path, body)
+        assert status in (400, 404), (path, body, status)
+        assert_error_object(raw, param)
 
 
 def test_client_disconnect_aborts_its_request(served, client, monkeypatch):

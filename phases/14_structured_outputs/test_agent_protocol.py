@@ -136,3 +136,54 @@ def test_sampling_defaults_come_from_generation_config_then_openai(tokenizer):
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
     params = proto.chat({"messages": HISTORY[:1], "temperature": 0, "top_k": 0}).choices[0].params
     assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.95, 0)  # the request wins
+
+
+def test_add_special_tokens_encodes_a_completion_prompt_with_them():
+    """Completions' add_special_tokens encodes text prompts as the tokenizer does with its special
+    tokens (here a post-processor that puts <|endoftext|> first); without it, as it does without."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", special)])
+    proto = protocol(tokenizer)
+    text = "the weather in Paris"
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text, add_special_tokens=True) == [special, *plain]
+    assert proto.completion({"prompt": text, "add_special_tokens": True}).choices[0].prompt_token_ids == [special,
+                                                                                                         *plain]
+    assert proto.completion({"prompt": text}).choices[0].prompt_token_ids == plain
+    assert proto.tokenize({"prompt": text, "add_special_tokens": True}) == [special, *plain]
+    assert refused(proto, {"messages": HISTORY[:1], "add_special_tokens": True}).param == "add_special_tokens"
+
+
+def test_sampling_extensions_reach_sampling_params(tokenizer):
+    """logit_bias keys become token ids, bad words are banned as they tokenise alone and after a
+    space (vLLM's rule), the constraint of response_format rides in SamplingParams.structured."""
+    proto = protocol(tokenizer)
+    params = proto.completion({"prompt": "x", "logit_bias": {"17": -100, "5": 2.5}, "allowed_token_ids": [5, 17],
+                               "bad_words": ["hello", " hello world"], "min_p": 0.2,
+                               "include_stop_str_in_output": True, "skip_special_tokens": False}).choices[0].params
+    assert params.logit_bias == ((5, 2.5), (17, -100.0)) and params.allowed_token_ids == (5, 17)
+    expected = []
+    for text in ("hello", " hello", "hello world", " hello world"):
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        expected += [ids] if ids not in expected else []
+    assert params.bad_words_token_ids == tuple(expected) and len(expected) == 4
+    assert (params.min_p, params.include_stop_str_in_output, params.skip_special_tokens) == (0.2, True, False)
+    chat = proto.chat({"messages": HISTORY[:1], "response_format": {"type": "json_object"}})
+    assert chat.choices[0].params.structured == chat.structured and chat.structured.kind == "json_object"
+
+
+def test_the_tool_call_parser_defaults_to_the_architectures(tokenizer):
+    """No parser named: a tools request is read by the architecture's (Qwen: hermes, Llama:
+    llama3_json); an architecture without one refuses tools, naming the field."""
+    def default(architecture):
+        return OpenAIProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, tool_call_parser=None,
+                              architecture=architecture)
+
+    for architecture, name in (("Qwen3ForCausalLM", "hermes"), ("LlamaForCausalLM", "llama3_json")):
+        assert default(architecture).chat({"messages": HISTORY[:1], "tools": TOOLS}).parsing.tools == name
+    assert refused(default("MistralForCausalLM"), {"messages": HISTORY[:1], "tools": TOOLS}).param == "tools"
+    assert default("MistralForCausalLM").chat({"messages": HISTORY[:1]}).parsing is None  # no tools: plain
