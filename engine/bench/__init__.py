@@ -173,6 +173,8 @@ def _check_source(args: argparse.Namespace) -> None:
         raise ValueError("give --model or --preset, not both")
     if args.random_weights and args.backend == "hf":
         raise ValueError("--random-weights fills our model; --backend hf reads a checkpoint")
+    if getattr(args, "structured", None) and args.preset and not args.tokenizer:
+        raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
     if getattr(args, "compare", None) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--compare hf runs in a single process, not under torchrun")
 
@@ -317,22 +319,19 @@ def run_structured(url: str, prompts, output_lens, request_rate: float, max_conc
     compiled over the served model's tokenizer (``--tokenizer`` for a preset)."""
     import asyncio
 
+    from engine.bench import structured
     from engine.bench.serve import wait_healthy
-    from engine.bench.structured import bench_structured
     from engine.engine_config import DEFAULT_MODEL_DIR
     from engine.llm_engine import load_tokenizer
 
-    if args.preset and not args.tokenizer:
-        raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
     tokenizer = load_tokenizer(Path(args.tokenizer if args.preset else args.model or DEFAULT_MODEL_DIR))
     config = model_config(args)
     stop_ids = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
     url = url.rstrip("/")
     asyncio.run(wait_healthy(url, health_timeout_s))
-    return {"structured": {workload: bench_structured(url, workload, prompts, output_lens, tokenizer,
-                                                      config.vocab_size, stop_ids, config.architecture, request_rate,
-                                                      max_concurrency, seed, args.mask_steps)
-                           for workload in args.structured}}
+    return {"structured": {workload: structured.bench_structured(
+        url, workload, prompts, output_lens, tokenizer, config.vocab_size, stop_ids, config.architecture, request_rate,
+        max_concurrency, seed, args.mask_steps) for workload in args.structured}}
 
 
 def server_command(args: argparse.Namespace) -> list[str]:
