@@ -6,7 +6,7 @@ throughput  nano-vllm's shape: 256 sequences, random prompt and output lengths i
             random token ids, ignore_eos; output and total tok/s
 serve       an HTTP client for a running ``python -m engine serve`` (streaming /v1/completions):
             TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput;
-            ``--structured json_schema tools``: per workload, plain requests then constrained
+            ``--structured json_schema,tools``: per workload, plain requests then constrained
             ones under the same load (``response_format`` json_schema on /v1/completions; tools
             with ``tool_choice: "required"`` on /v1/chat/completions), the constrained answers
             validated, output tok/s and TTFT / ITL of each side, their ratios, the grammar's
@@ -108,9 +108,9 @@ def add_bench_command(commands) -> None:
                        help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     serve.add_argument("--health-timeout", type=float, default=60.0, help="seconds to wait for /health")
     structured = serve.add_argument_group("structured outputs (engine.bench.structured)")
-    structured.add_argument("--structured", nargs="+", choices=["json_schema", "tools"], default=None,
-                            help="instead of the plain load: each workload's plain and constrained loads, "
-                                 "compared (tools needs a chat template: skipped without one)")
+    structured.add_argument("--structured", type=_workloads, default=None, metavar="WORKLOAD,...",
+                            help="instead of the plain load: each workload's (json_schema, tools) plain and "
+                                 "constrained loads, compared (tools needs a chat template: skipped without one)")
     structured.add_argument("--tokenizer", metavar="DIR", default=None,
                             help="with --preset: the served model's tokenizer (and chat template) from DIR "
                                  "instead of a one-word one (--structured needs a real tokenizer)")
@@ -127,6 +127,13 @@ def add_bench_command(commands) -> None:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _workloads(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    if not names or set(names) - {"json_schema", "tools"}:
+        raise argparse.ArgumentTypeError(f"expected json_schema and / or tools, comma-separated, got {text!r}")
+    return names
 
 
 def _float_pair(text: str) -> tuple[float, float]:

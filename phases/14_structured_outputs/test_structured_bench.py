@@ -1,4 +1,4 @@
-"""``python -m engine bench serve --structured json_schema tools`` on the demo model (CPU, short
+"""``python -m engine bench serve --structured json_schema,tools`` on the demo model (CPU, short
 settings): the report is complete (every documented key, finite numbers), every request of both
 sides completes, every constrained answer validates against its schema (checked by the bench with
 jsonschema, failures counted), and the tools workload is skipped, not failed, on a server whose
@@ -34,7 +34,7 @@ def finite(x) -> bool:
 
 
 def test_structured_report_is_complete_and_every_answer_validates(capsys):
-    report = bench_structured(capsys, "--structured", "json_schema", "tools", "--chat-template", str(TEMPLATE))
+    report = bench_structured(capsys, "--structured", "json_schema,tools", "--chat-template", str(TEMPLATE))
     assert report["bench"] == "serve"
     workloads = report["serve"]["structured"]
     assert set(workloads) == {"json_schema", "tools"}
