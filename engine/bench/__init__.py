@@ -180,6 +180,10 @@ def _check_source(args: argparse.Namespace) -> None:
         raise ValueError("give --model or --preset, not both")
     if args.random_weights and args.backend == "hf":
         raise ValueError("--random-weights fills our model; --backend hf reads a checkpoint")
+    if getattr(args, "tokenizer", None) and not args.preset:
+        raise ValueError("--tokenizer is for a --preset (a checkpoint serves its own tokenizer)")
+    if getattr(args, "chat_template", None) and not args.launch:
+        raise ValueError("--chat-template is passed to the server --launch starts")
     if getattr(args, "structured", None) and args.preset and not args.tokenizer:
         raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
     if getattr(args, "compare", None) and int(os.environ.get("WORLD_SIZE", "1")) > 1:

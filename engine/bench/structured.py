@@ -58,8 +58,9 @@ NOTES = {
     "both": "output tok/s as measured (usage tokens / wall of each side): a constrained answer ends when its grammar "
             "completes, plain ones run to max_tokens (ignore_eos)",
     "json_schema": "",
-    "tools": "; constrained prompts carry the rendered tools (see input_tokens) and their first chunk is the call's "
-             "head, sent once the parser has read the function's name",
+    "tools": "; constrained prompts carry the rendered tools (see input_tokens), their first chunk is the call's "
+             "head, sent once the parser has read the function's name, and a step may send several chunks (the "
+             "parser's deltas; their gaps count in ITL)",
 }
 
 

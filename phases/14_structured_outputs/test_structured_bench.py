@@ -91,7 +91,11 @@ def test_invalid_answers_are_caught_and_counted():
 
 
 def test_a_preset_needs_a_tokenizer_for_structured_outputs(capsys):
-    """A preset's one-word tokenizer spells no JSON: --structured asks for --tokenizer, before any load."""
-    assert main(["bench", "serve", "--preset", "tiny-qwen3", "--random-weights", "--structured", "json_schema",
-                 "--url", "http://127.0.0.1:9"]) != 0
-    assert "--structured with --preset needs --tokenizer DIR" in capsys.readouterr().err
+    """A preset's one-word tokenizer spells no JSON: --structured asks for --tokenizer, before any
+    load; --tokenizer without a preset and --chat-template without --launch are refused too."""
+    preset = ["--preset", "tiny-qwen3", "--random-weights"]
+    for argv, message in ((preset, "--structured with --preset needs --tokenizer DIR"),
+                          (["--tokenizer", "engine/default_model"], "--tokenizer is for a --preset"),
+                          (["--chat-template", str(TEMPLATE)], "--chat-template is passed to the server --launch")):
+        assert main(["bench", "serve", *argv, "--structured", "json_schema", "--url", "http://127.0.0.1:9"]) != 0
+        assert message in capsys.readouterr().err
