@@ -22,7 +22,12 @@ the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_grap
 ``spec_ngram_<workload>_tokens_per_forward`` (bench spec
 on a checkpoint, greedy: output tokens per target-model forward with n-gram drafts, the plain
 engine's forwards as peer), ``demo_spec_ngram_<workload>_b1_tok_s`` (the same run's tok/s, on a
-GPU) and ``<model>_spec_verify_k<K>_ratio`` (a B=1 verify step of K drafts over a decode step).
+GPU) and ``<model>_spec_verify_k<K>_ratio`` (a B=1 verify step of K drafts over a decode step);
+from ``bench serve --structured`` (a preset, every request of both sides completed and every
+constrained answer valid): ``<model>_structured_vs_plain_throughput_ratio`` (json_schema) and
+``<model>_tools_vs_plain_throughput_ratio`` (a forced tool call), constrained over plain output
+tok/s under the same load, with each side's tok/s, the ITL p99 ratio and the grammar's compile
+and mask costs as peers.
 """
 from __future__ import annotations
 
@@ -72,6 +77,10 @@ def bench_command(report: dict) -> str:
 
 
 def _preset(report: dict) -> str:
+    if "model" not in report:  # bench serve: the model is the server's, named by the settings
+        if not report["settings"].get("preset"):
+            raise ValueError("the report's server model is a checkpoint: only presets have names in benchmarks.json")
+        return report["settings"]["preset"]
     source = report["model"]["source"]
     if not source.startswith("preset "):
         raise ValueError(f"the report's model is {source!r}: only presets have names in benchmarks.json")
@@ -163,7 +172,35 @@ def _spec(report: dict) -> dict:
     return figures
 
 
-MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors, "spec": _spec}
+STRUCTURED_NAMES = {"json_schema": "structured", "tools": "tools"}
+STRUCTURED_PEERS = ("itl_p99_ratio", "compile_ms_cold", "compile_ms_cached", "mask_fill_us_per_step", "mask_rows")
+
+
+def _serve(report: dict) -> dict:
+    workloads = report["serve"].get("structured")
+    if workloads is None:
+        raise ValueError("a plain serve report has no named figures (only bench serve --structured)")
+    model, steps = _variant(report)
+    figures = {}
+    for workload, run in workloads.items():
+        if "skipped" in run:
+            continue
+        wanted = report["settings"]["num_prompts"]
+        done = (run["plain"]["completed"], run["constrained_valid"])
+        if done != (wanted, wanted):
+            raise ValueError(f"{workload}: {done[0]} plain requests completed and {done[1]} constrained answers "
+                             f"valid of {wanted}: no figure from a run with failures")
+        peer = {"plain_out_tok_s": run["plain"]["output_throughput"],
+                "constrained_out_tok_s": run["constrained"]["output_throughput"],
+                "max_concurrency": report["settings"]["max_concurrency"], **{k: run[k] for k in STRUCTURED_PEERS}}
+        figures[f"{model}_{STRUCTURED_NAMES[workload]}_vs_plain_throughput{steps}_ratio"] = _figure(
+            run["structured_vs_plain_throughput_ratio"], "x",
+            f"serve.structured.{workload}.structured_vs_plain_throughput_ratio", peer)
+    return figures
+
+
+MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors, "spec": _spec,
+           "serve": _serve}
 DEVICE_FREE = re.compile(r"spec_ngram_\w+_tokens_per_forward")
 
 

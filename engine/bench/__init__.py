@@ -6,7 +6,7 @@ throughput  nano-vllm's shape: 256 sequences, random prompt and output lengths i
             random token ids, ignore_eos; output and total tok/s
 serve       an HTTP client for a running ``python -m engine serve`` (streaming /v1/completions):
             TTFT, TPOT, ITL, E2E latency (mean, median, p99) and request / token throughput;
-            ``--structured json_schema tools``: per workload, plain requests then constrained
+            ``--structured json_schema,tools``: per workload, plain requests then constrained
             ones under the same load (``response_format`` json_schema on /v1/completions; tools
             with ``tool_choice: "required"`` on /v1/chat/completions), the constrained answers
             validated, output tok/s and TTFT / ITL of each side, their ratios, the grammar's
@@ -108,9 +108,9 @@ def add_bench_command(commands) -> None:
                        help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     serve.add_argument("--health-timeout", type=float, default=60.0, help="seconds to wait for /health")
     structured = serve.add_argument_group("structured outputs (engine.bench.structured)")
-    structured.add_argument("--structured", nargs="+", choices=["json_schema", "tools"], default=None,
-                            help="instead of the plain load: each workload's plain and constrained loads, "
-                                 "compared (tools needs a chat template: skipped without one)")
+    structured.add_argument("--structured", type=_workloads, default=None, metavar="WORKLOAD,...",
+                            help="instead of the plain load: each workload's (json_schema, tools) plain and "
+                                 "constrained loads, compared (tools needs a chat template: skipped without one)")
     structured.add_argument("--tokenizer", metavar="DIR", default=None,
                             help="with --preset: the served model's tokenizer (and chat template) from DIR "
                                  "instead of a one-word one (--structured needs a real tokenizer)")
@@ -127,6 +127,13 @@ def add_bench_command(commands) -> None:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _workloads(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    if not names or set(names) - {"json_schema", "tools"}:
+        raise argparse.ArgumentTypeError(f"expected json_schema and / or tools, comma-separated, got {text!r}")
+    return names
 
 
 def _float_pair(text: str) -> tuple[float, float]:
@@ -173,6 +180,12 @@ def _check_source(args: argparse.Namespace) -> None:
         raise ValueError("give --model or --preset, not both")
     if args.random_weights and args.backend == "hf":
         raise ValueError("--random-weights fills our model; --backend hf reads a checkpoint")
+    if getattr(args, "tokenizer", None) and not args.preset:
+        raise ValueError("--tokenizer is for a --preset (a checkpoint serves its own tokenizer)")
+    if getattr(args, "chat_template", None) and not args.launch:
+        raise ValueError("--chat-template is passed to the server --launch starts")
+    if getattr(args, "structured", None) and args.preset and not args.tokenizer:
+        raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
     if getattr(args, "compare", None) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--compare hf runs in a single process, not under torchrun")
 
@@ -317,22 +330,19 @@ def run_structured(url: str, prompts, output_lens, request_rate: float, max_conc
     compiled over the served model's tokenizer (``--tokenizer`` for a preset)."""
     import asyncio
 
+    from engine.bench import structured
     from engine.bench.serve import wait_healthy
-    from engine.bench.structured import bench_structured
     from engine.engine_config import DEFAULT_MODEL_DIR
     from engine.llm_engine import load_tokenizer
 
-    if args.preset and not args.tokenizer:
-        raise ValueError("--structured with --preset needs --tokenizer DIR (a preset's own tokenizer is one word)")
     tokenizer = load_tokenizer(Path(args.tokenizer if args.preset else args.model or DEFAULT_MODEL_DIR))
     config = model_config(args)
     stop_ids = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
     url = url.rstrip("/")
     asyncio.run(wait_healthy(url, health_timeout_s))
-    return {"structured": {workload: bench_structured(url, workload, prompts, output_lens, tokenizer,
-                                                      config.vocab_size, stop_ids, config.architecture, request_rate,
-                                                      max_concurrency, seed, args.mask_steps)
-                           for workload in args.structured}}
+    return {"structured": {workload: structured.bench_structured(
+        url, workload, prompts, output_lens, tokenizer, config.vocab_size, stop_ids, config.architecture, request_rate,
+        max_concurrency, seed, args.mask_steps) for workload in args.structured}}
 
 
 def server_command(args: argparse.Namespace) -> list[str]:

@@ -142,9 +142,10 @@ def preset_model_dir(preset: dict, tokenizer_dir: str | None = None):
         if tokenizer_dir is None:
             Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
             (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-        for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy(Path(tokenizer_dir) / name, path / name)
+        else:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy(Path(tokenizer_dir) / name, path / name)
         yield path
 
 

@@ -58,8 +58,9 @@ NOTES = {
     "both": "output tok/s as measured (usage tokens / wall of each side): a constrained answer ends when its grammar "
             "completes, plain ones run to max_tokens (ignore_eos)",
     "json_schema": "",
-    "tools": "; constrained prompts carry the rendered tools (see input_tokens) and their first chunk is the call's "
-             "head, sent once the parser has read the function's name",
+    "tools": "; constrained prompts carry the rendered tools (see input_tokens), their first chunk is the call's "
+             "head, sent once the parser has read the function's name, and a step may send several chunks (the "
+             "parser's deltas; their gaps count in ITL)",
 }
 
 
@@ -182,8 +183,9 @@ def bench_structured(url: str, workload: str, prompts: list[list[int]], output_l
                      max_concurrency: int | None, seed: int, mask_steps: int) -> dict:
     """Run ``workload``'s plain load, then its constrained load (the same prompts, the first
     token changed so that neither side finds the other's prompts in the prefix cache; tools: the
-    prompts decoded to text), each after one untimed request (the server's grammar compiled and
-    cached before the constrained load); validate the constrained answers; add the grammar's costs.
+    prompts decoded to text, ids past the tokenizer's taken modulo its size), each after one
+    untimed request (the server's grammar compiled and cached before the constrained load);
+    validate the constrained answers; add the grammar's costs.
     A tools workload on a server without a chat template is ``{"workload", "skipped": why}``."""
     import asyncio
 
@@ -192,7 +194,7 @@ def bench_structured(url: str, workload: str, prompts: list[list[int]], output_l
     if workload == "json_schema":
         sides = {"plain": prompts, "constrained": [[(p[0] + 1) % vocab_size, *p[1:]] for p in prompts]}
     else:
-        texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+        texts = [tokenizer.decode([t % len(tokenizer) for t in p], skip_special_tokens=True) for p in prompts]
         sides = {"plain": texts, "constrained": texts}
     report = {}
     for side, side_prompts in sides.items():

@@ -3,7 +3,8 @@
 A latency report measured here (tiny preset, CPU) maps to its names with a command that
 parses back to the same settings; CPU reports are refused by the command line; a full-scale
 short report (host A's recorded figures, ``recorded_hosts.json``, in the shape ``run_short``
-reports) and a floors report merge into an existing file, keeping its other figures.
+reports) and a floors report merge into an existing file, keeping its other figures; a
+``bench serve --structured`` report records its constrained / plain throughput ratios.
 """
 from __future__ import annotations
 
@@ -128,3 +129,56 @@ def test_a_throughput_run_off_nano_vllms_shape_has_no_headline_name():
               "settings": {"num_seqs": 64, "min_len": 100, "max_len": 1024}, "throughput": {"output_tok_s": 1.0}}
     with pytest.raises(ValueError, match="nano-vllm's shape"):
         record_benchmarks.figures_of(report)
+
+
+def structured_serve_report(**change) -> dict:
+    """A ``bench serve --structured`` report of the Qwen3-8B preset in the bench's shape (its
+    settings parsed by the bench's own parser), both workloads complete and valid."""
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    argv = ["bench", "serve", "--launch", "--preset", "qwen3-8b", "--random-weights", "--tokenizer", "tok",
+            "--structured", "json_schema,tools", "--num-prompts", "8", "--max-concurrency", "64"]
+    settings = {k: v for k, v in vars(parser.parse_args(argv)).items() if k not in ("run", "command")}
+    settings["request_rate"] = "inf"  # as the report writes it
+
+    def workload(name, ratio):
+        side = {"completed": 8, "output_throughput": 1000.0, "itl_ms": {"median": 10.0, "p99": 20.0}}
+        return {"workload": name, "plain": side, "constrained": {**side, "output_throughput": 1000.0 * ratio},
+                "constrained_valid": 8, "constrained_invalid": 0, "first_invalid": None,
+                "structured_vs_plain_throughput_ratio": ratio, "itl_p99_ratio": 1.5, "compile_ms_cold": 30.0,
+                "compile_ms_cached": 0.01, "mask_fill_us_per_step": 300.0, "mask_rows": 64, "mask_steps": 200}
+
+    return {"bench": "serve", "machine": MACHINE, "settings": {**settings, **change},
+            "serve": {"url": "http://127.0.0.1:1", "structured": {"json_schema": workload("json_schema", 0.9),
+                                                                  "tools": workload("tools", 0.8)}}}
+
+
+def test_a_structured_serve_report_records_the_constrained_over_plain_ratios():
+    """bench serve --structured: each workload's constrained / plain output tok/s under a name of
+    the preset, its peers the two sides' tok/s and the grammar's costs, with a command that parses
+    back to the run's settings; a run with a failed or invalid answer, a plain serve run and a
+    checkpoint's server have no figure."""
+    report = structured_serve_report()
+    figures = record_benchmarks.figures_of(report)
+    assert sorted(figures) == ["qwen3_8b_structured_vs_plain_throughput_ratio",
+                               "qwen3_8b_tools_vs_plain_throughput_ratio"]
+    headline = figures["qwen3_8b_structured_vs_plain_throughput_ratio"]
+    assert (headline["value"], headline["unit"], headline["device"]) == (0.9, "x", "NVIDIA H200")
+    assert headline["peer"]["constrained_out_tok_s"] == 900.0 and headline["peer"]["mask_fill_us_per_step"] == 300.0
+    assert figures["qwen3_8b_tools_vs_plain_throughput_ratio"]["value"] == 0.8
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    parsed = {k: v for k, v in vars(parser.parse_args(shlex.split(headline["command"])[3:])).items()
+              if k not in ("run", "command")}
+    assert {**parsed, "request_rate": "inf"} == report["settings"]
+    skipped = structured_serve_report()
+    skipped["serve"]["structured"]["tools"] = {"workload": "tools", "skipped": "no chat template"}
+    assert sorted(record_benchmarks.figures_of(skipped)) == ["qwen3_8b_structured_vs_plain_throughput_ratio"]
+    invalid = structured_serve_report()
+    invalid["serve"]["structured"]["json_schema"]["constrained_valid"] = 7
+    with pytest.raises(ValueError, match="constrained answers valid"):
+        record_benchmarks.figures_of(invalid)
+    with pytest.raises(ValueError, match="plain serve report"):
+        record_benchmarks.figures_of({**report, "serve": {"completed": 8}})
+    with pytest.raises(ValueError, match="checkpoint"):
+        record_benchmarks.figures_of(structured_serve_report(preset=None, random_weights=False))
