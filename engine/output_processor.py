@@ -42,8 +42,8 @@ class RequestOutput:
     asked for them; from the cursor on): per output token, its id, its logprob and the
     [(token id, logprob)] of the most likely tokens. Speculative decoding: the tokens drafted
     for it and verified (``num_draft_tokens``) and those accepted (``num_accepted_tokens``).
-    ``num_cached_tokens``: its prompt tokens found in the prefix cache, as seen at its outputs
-    (0 when its first output token also finished it: its blocks are freed before it is read)."""
+    ``num_cached_tokens``: its prompt tokens found in the prefix cache at its first admission
+    (``Sequence.num_cached_prompt_tokens``; 0 before it was admitted)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -65,8 +65,7 @@ class RequestState:
     ``detokenizer`` of its text (None: no text), its ``logprobs`` (None: not asked for), how many
     characters a running request's text holds back (``hold_back``: its longest stop string - 1),
     how many of its output tokens reached the output (``num_tokens``), the finish reason
-    reported (``finish_reason``, ``error``) and the prompt tokens its sequence found cached
-    (``num_cached_tokens``, read at each output while it holds its blocks)."""
+    reported (``finish_reason``, ``error``)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -75,7 +74,6 @@ class RequestState:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
 
 
 class OutputProcessor:
@@ -136,7 +134,8 @@ class OutputProcessor:
         return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens], text,
                              finished, state.finish_reason, seq.reject_reason,
                              None if state.logprobs is None else state.logprobs[tokens_from:],
-                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error, state.num_cached_tokens)
+                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error,
+                             seq.num_cached_prompt_tokens or 0)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
@@ -151,7 +150,6 @@ class OutputProcessor:
         texts = []
         for out in outputs:
             state = self._requests[out.seq.request_id]
-            state.num_cached_tokens = max(state.num_cached_tokens, out.seq.num_cached_tokens)
             if state.logprobs is not None and out.seq.request_id in logprobs:
                 state.logprobs.append((out.new_token_ids[-1], *logprobs[out.seq.request_id]))
             if state.detokenizer is None:
