@@ -156,7 +156,7 @@ class OutputProcessor:
         for request_id, (first, items) in prompt_logprobs.items():
             state = self._requests.get(request_id)
             if state is not None and first == len(state.prompt_logprobs):
-                state.prompt_logprobs += items
+                state.prompt_logprobs = state.prompt_logprobs + items  # a new list: outputs read never change
 
     def process_outputs(self, outputs: list[SequenceOutput], logprobs: dict[str, tuple]) -> list[tuple[str, str]]:
         """Take one step's outputs (``logprobs``: request id -> (the new token's logprob, [(token id,

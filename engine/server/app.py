@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -247,11 +248,28 @@ class OpenAIServer:
                     _raise_if_failed(update)
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
+            text, items = self._echoed(gen, s, final, "".join(parts), items)
             lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
-            choice = self.protocol.choice(gen.chat, s.index, "".join(parts), final.finish_reason, lp)
+            choice = self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp)
+            if gen.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.protocol.prompt_logprobs_object(final.prompt_logprobs,
+                                                                                 gen.prompt_logprobs)
             choices.append(choice if gen.parsing is None else self._parsed_message(gen.parsing, choice))
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": _usage(gen, sum(counts), finals)})
+                                  "usage": _usage(gen, 0 if gen.drop_output else sum(counts), finals)})
+
+    def _echoed(self, gen: GenerationRequest, s: Stream, update: RequestOutput, text: str,
+                items: list) -> tuple[str, list]:
+        """A completion choice's first (or whole) text and logprobs items: without the output when
+        it is dropped (max_tokens 0), after the prompt's text and logprobs items with echo."""
+        if gen.drop_output:
+            text, items = "", []
+        if gen.echo:
+            text = self.protocol.tokenizer.decode(s.prompt_token_ids) + text
+            if gen.logprobs:
+                items = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs,
+                                                      gen.num_logprobs) + items
+        return text, items
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -288,11 +306,18 @@ class OpenAIServer:
                         except APIError as e:
                             await send(e.body())
                             raise _StreamEnded from None
-                    lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
-                          if gen.logprobs and update.logprobs else None)
+                    items = update.logprobs or []
+                    if not gen.chat and (gen.echo or gen.drop_output):
+                        text, items = (self._echoed(gen, s, update, update.text, items) if tokens[i] == 0
+                                       else ("", []) if gen.drop_output else (update.text, items))
+                        update = dataclasses.replace(update, text=text)
+                    lp = self.protocol.logprobs_object(gen.chat, items, sent[i]) if gen.logprobs and items else None
                     if parsers is None:
-                        await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, update.text,
-                                                                             update.finish_reason, lp)]})
+                        delta = self.protocol.delta(gen.chat, s.index, update.text, update.finish_reason, lp)
+                        if gen.prompt_logprobs is not None and tokens[i] == 0:
+                            delta["prompt_logprobs"] = self.protocol.prompt_logprobs_object(update.prompt_logprobs,
+                                                                                            gen.prompt_logprobs)
+                        await send({**head, "choices": [delta]})
                     else:  # one chunk per delta the parsers make; the logprobs ride on the first
                         deltas, finish_reason = self._parsed_deltas(parsers[i], update)
                         if deltas or lp is not None or update.finished:
@@ -304,7 +329,8 @@ class OpenAIServer:
                     sent[i] += len(update.text)
                     tokens[i] += len(update.token_ids)
             if gen.include_usage:
-                await send({**head, "choices": [], "usage": _usage(gen, sum(tokens), finals)})
+                await send({**head, "choices": [], "usage": _usage(gen, 0 if gen.drop_output else sum(tokens),
+                                                                    finals)})
             await send("[DONE]")
             await response.write_eof()
         except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it

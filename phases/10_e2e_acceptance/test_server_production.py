@@ -288,10 +288,13 @@ def test_a_client_that_never_reads_does_not_stall_the_others(served, client, ora
     wait_idle(served.engine_loop)
 
 
-def test_benchmark_and_eval_client_payloads_work_unchanged(served, client):
+def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model_dir):
     """The bodies vLLM's and SGLang's serving benchmarks and lm-eval's local-completions send, as
-    they send them: answered (vLLM's streamed, with a usage chunk); lm-eval's loglikelihood body
-    (echo, prompt logprobs) is refused with a 400 naming echo."""
+    they send them: answered (vLLM's streamed, with a usage chunk); lm-eval's loglikelihood bodies
+    (echo, logprobs 1, max_tokens 1 or 0) answer the prompt's text and its tokens' logprobs, equal
+    to transformers' log-softmax of the prompt (max_tokens 0: the prompt alone)."""
+    import transformers
+
     vllm = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 5,
             "logprobs": None, "best_of": 1, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
@@ -308,7 +311,26 @@ def test_benchmark_and_eval_client_payloads_work_unchanged(served, client):
         answer = json.loads(raw)
         assert len(answer["choices"]) == (len(body["prompt"]) if isinstance(body["prompt"], list) else 1)
         assert all(c["text"] for c in answer["choices"])
-    loglikelihood = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-                     "seed": 1234, "echo": True}
-    status, raw = http(served.url + "/v1/completions", loglikelihood)
-    assert status == 400 and assert_error_object(raw, "echo")
+    tokenizer = served.engine_loop.engine.tokenizer
+    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    for max_tokens in (1, 0):
+        loglikelihood = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0, "max_tokens": max_tokens,
+                         "logprobs": 1, "seed": 1234, "echo": True}
+        status, raw = http(served.url + "/v1/completions", loglikelihood)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        choice, lp = answer["choices"][0], answer["choices"][0]["logprobs"]
+        assert choice["text"].startswith(tokenizer.decode(prompt))
+        assert len(lp["tokens"]) == len(prompt) + max_tokens and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        for t in range(1, len(prompt)):
+            assert lp["token_logprobs"][t] == pytest.approx(float(expected[t - 1, prompt[t]]), abs=1e-4)
+            best = int(expected[t - 1].argmax())
+            assert lp["top_logprobs"][t][tokenizer.decode([best])] == pytest.approx(float(expected[t - 1, best]),
+                                                                                     abs=1e-4)
+        assert answer["usage"]["completion_tokens"] == max_tokens
+        if max_tokens == 0:
+            assert choice["text"] == tokenizer.decode(prompt)
