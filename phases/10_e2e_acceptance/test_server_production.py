@@ -334,3 +334,38 @@ def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model
         assert answer["usage"]["completion_tokens"] == max_tokens
         if max_tokens == 0:
             assert choice["text"] == tokenizer.decode(prompt)
+
+
+def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, model_dir):
+    """A streamed echo sends the prompt's text (and its logprobs) in the first chunk and the same
+    text and logprobs as the answer; ``prompt_logprobs: 2`` gives vLLM's list: None, then per
+    token {id: {logprob, rank, decoded_token}} for the token and its 2 most likely tokens, equal to
+    transformers' log-softmax of the prompt."""
+    import transformers
+
+    tokenizer = served.engine_loop.engine.tokenizer
+    prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 3, "logprobs": 0, "echo": True,
+            "prompt_logprobs": 2, "ignore_eos": True}
+    status, raw = http(served.url + "/v1/completions", body)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    status, raw = http(served.url + "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(e[6:])["choices"][0] for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    assert chunks[0]["text"].startswith(tokenizer.decode(prompt))
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert sum((lp["token_logprobs"] for lp in streamed), []) == choice["logprobs"]["token_logprobs"]
+    assert chunks[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for t in range(1, len(prompt)):
+        values, best = expected[t - 1].topk(2)
+        assert {str(i) for i in best.tolist()} <= set(got[t]) and str(prompt[t]) in got[t]
+        assert got[t][str(prompt[t])]["logprob"] == pytest.approx(float(expected[t - 1, prompt[t]]), abs=1e-4)
+        for rank, (i, v) in enumerate(zip(best.tolist(), values.tolist()), 1):
+            assert got[t][str(i)] == {"logprob": pytest.approx(v, abs=1e-4), "rank": rank,
+                                      "decoded_token": tokenizer.decode([i])}
