@@ -248,8 +248,9 @@ class OpenAIServer:
                     _raise_if_failed(update)
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
-            text, items = self._echoed(gen, s, final, "".join(parts), items)
-            lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
+            text, lp = "".join(parts), self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
+            if gen.echo or gen.drop_output:
+                text, lp = self._echoed(gen, s, final, text, items)
             choice = self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp)
             if gen.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.protocol.prompt_logprobs_object(final.prompt_logprobs,
@@ -259,17 +260,21 @@ class OpenAIServer:
                                   "usage": _usage(gen, 0 if gen.drop_output else sum(counts), finals)})
 
     def _echoed(self, gen: GenerationRequest, s: Stream, update: RequestOutput, text: str,
-                items: list) -> tuple[str, list]:
-        """A completion choice's first (or whole) text and logprobs items: without the output when
-        it is dropped (max_tokens 0), after the prompt's text and logprobs items with echo."""
+                items: list) -> tuple[str, dict | None]:
+        """A completion choice's first (or whole) text and its logprobs object (None: not asked):
+        without the output when it is dropped (max_tokens 0), after the prompt's text and logprobs
+        with echo (the output's text offsets count from the prompt text's end)."""
         if gen.drop_output:
             text, items = "", []
+        lp = self.protocol.logprobs_object(False, items) if gen.logprobs else None
         if gen.echo:
-            text = self.protocol.tokenizer.decode(s.prompt_token_ids) + text
+            prompt_text = self.protocol.tokenizer.decode(s.prompt_token_ids)
             if gen.logprobs:
-                items = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs,
-                                                      gen.num_logprobs) + items
-        return text, items
+                echoed = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
+                lp = self.protocol.logprobs_object(False, items, len(prompt_text))
+                lp = {k: v + lp[k] for k, v in self.protocol.logprobs_object(False, echoed).items()}
+            text = prompt_text + text
+        return text, lp
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -306,12 +311,12 @@ class OpenAIServer:
                         except APIError as e:
                             await send(e.body())
                             raise _StreamEnded from None
-                    items = update.logprobs or []
+                    lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
+                          if gen.logprobs and update.logprobs else None)
                     if not gen.chat and (gen.echo or gen.drop_output):
-                        text, items = (self._echoed(gen, s, update, update.text, items) if tokens[i] == 0
-                                       else ("", []) if gen.drop_output else (update.text, items))
+                        text, lp = (self._echoed(gen, s, update, update.text, update.logprobs or []) if tokens[i] == 0
+                                    else ("", None) if gen.drop_output else (update.text, lp))
                         update = dataclasses.replace(update, text=text)
-                    lp = self.protocol.logprobs_object(gen.chat, items, sent[i]) if gen.logprobs and items else None
                     if parsers is None:
                         delta = self.protocol.delta(gen.chat, s.index, update.text, update.finish_reason, lp)
                         if gen.prompt_logprobs is not None and tokens[i] == 0:

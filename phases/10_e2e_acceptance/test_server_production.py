@@ -356,6 +356,9 @@ def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, m
     assert "".join(c["text"] for c in chunks) == choice["text"]
     streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
     assert sum((lp["token_logprobs"] for lp in streamed), []) == choice["logprobs"]["token_logprobs"]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets[len(prompt)] == len(tokenizer.decode(prompt))  # the output's first token follows the prompt
+    assert streamed[0]["text_offset"][:len(prompt) + 1] == offsets[:len(prompt) + 1]
     assert chunks[0]["prompt_logprobs"] == choice["prompt_logprobs"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
