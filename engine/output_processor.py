@@ -151,12 +151,13 @@ class OutputProcessor:
 
     def add_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[Logprobs]]]) -> None:
         """Take one step's prompt logprobs (request id -> (first target position, one ``Logprobs``
-        per target)): kept where they continue what the request holds (a recomputed request's
-        second pass is dropped)."""
+        per target)): the targets past those the request holds are kept (a recomputed request
+        gives its prompt again, in chunks that need not end where the first pass's did)."""
         for request_id, (first, items) in prompt_logprobs.items():
             state = self._requests.get(request_id)
-            if state is not None and first == len(state.prompt_logprobs):
-                state.prompt_logprobs = state.prompt_logprobs + items  # a new list: outputs read never change
+            held = None if state is None else len(state.prompt_logprobs)
+            if held is not None and first <= held < first + len(items):
+                state.prompt_logprobs = state.prompt_logprobs + items[held - first:]  # new list: outputs read stay
 
     def process_outputs(self, outputs: list[SequenceOutput], logprobs: dict[str, tuple]) -> list[tuple[str, str]]:
         """Take one step's outputs (``logprobs``: request id -> (the new token's logprob, [(token id,

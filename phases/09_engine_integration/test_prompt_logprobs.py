@@ -5,7 +5,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix
+from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix, shrink_kv_pool
 from phases.checkpoints import make_tiny_checkpoint
 
 
@@ -86,6 +86,36 @@ def test_prompt_logprobs_ignore_the_prefix_cache(checkpoint, hf):
     assert_prompt_logprobs(hf, prompt, again.prompt_logprobs, 2)
     assert run(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=1))])[0].num_cached_tokens == 28
     assert_no_block_leaks(engine)
+
+
+def test_prompt_logprobs_of_preempted_requests(checkpoint, hf):
+    """A pool too small for every request: preempted requests (some mid-prefill, in chunks) are
+    recomputed, and each still holds exactly one logprob per prompt position, transformers'."""
+    engine = LLMEngine(checkpoint, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=96)
+    shrink_kv_pool(engine, 16)
+    prompts = prompts_with_shared_prefix(seed=10, count=9)[3:7]  # 17, 23, 31 and 40 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    outs = run(engine, [(p, params) for p in prompts])
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert_prompt_logprobs(hf, prompt, out.prompt_logprobs, 1)
+    assert_no_block_leaks(engine)
+
+
+def test_a_recomputed_prompt_keeps_one_logprob_per_position(checkpoint):
+    """The output keeps the targets past those it holds: a recomputed prompt's chunks, cut
+    elsewhere than the first pass's, neither repeat a position nor leave one out."""
+    engine = LLMEngine(checkpoint, block_size=4, max_num_seqs=2, max_model_len=96)
+    rid = engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+    def chunk(first, count):  # fake targets: token = position, logprob = -position
+        return {rid: (first, [(t, -float(t), []) for t in range(first, first + count)])}
+    for first, count in [(1, 4), (1, 2), (3, 5), (8, 1), (10, 3)]:  # a pass to 4, then one cut at 2 and 7
+        engine.outputs.add_prompt_logprobs(chunk(first, count))
+    got = engine.request_output(rid).prompt_logprobs
+    assert got[0] is None and [t for t, _, _ in got[1:]] == list(range(1, 9))
+    engine.abort_request(rid)
+    engine.pop_request(rid)
 
 
 def test_hf_backend_refuses_prompt_logprobs(checkpoint):
