@@ -46,7 +46,7 @@ class RequestOutput:
     (``Sequence.num_cached_prompt_tokens``; 0 before it was admitted). ``prompt_logprobs`` (when
     the request asked for them; always whole): per prompt token, None for the first, then as
     ``logprobs`` (the token, its logprob given the tokens before it, the most likely tokens),
-    as far as its prefill chunks have computed."""
+    as far as its prefill chunks have computed (read on TP rank 0 only)."""
 
     request_id: str
     prompt_token_ids: list[int]
