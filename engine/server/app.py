@@ -249,7 +249,7 @@ class OpenAIServer:
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
             text, lp = "".join(parts), self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
-            if gen.echo or gen.drop_output:
+            if gen.echo:
                 text, lp = self._echoed(gen, s, final, text, items)
             choice = self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp)
             if gen.prompt_logprobs is not None:
@@ -261,20 +261,17 @@ class OpenAIServer:
 
     def _echoed(self, gen: GenerationRequest, s: Stream, update: RequestOutput, text: str,
                 items: list) -> tuple[str, dict | None]:
-        """A completion choice's first (or whole) text and its logprobs object (None: not asked):
-        without the output when it is dropped (max_tokens 0), after the prompt's text and logprobs
-        with echo (the output's text offsets count from the prompt text's end)."""
+        """An echoed completion choice's first (or whole) text and its logprobs object (None: not
+        asked): the prompt's text and logprobs, then the output's (none when it is dropped, max_tokens
+        0), whose text offsets count from the prompt text's end."""
         if gen.drop_output:
             text, items = "", []
-        lp = self.protocol.logprobs_object(False, items) if gen.logprobs else None
-        if gen.echo:
-            prompt_text = self.protocol.tokenizer.decode(s.prompt_token_ids)
-            if gen.logprobs:
-                echoed = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
-                lp = self.protocol.logprobs_object(False, items, len(prompt_text))
-                lp = {k: v + lp[k] for k, v in self.protocol.logprobs_object(False, echoed).items()}
-            text = prompt_text + text
-        return text, lp
+        prompt_text, lp = self.protocol.tokenizer.decode(s.prompt_token_ids), None
+        if gen.logprobs:
+            echoed = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
+            lp = self.protocol.logprobs_object(False, items, len(prompt_text))
+            lp = {k: v + lp[k] for k, v in self.protocol.logprobs_object(False, echoed).items()}
+        return prompt_text + text, lp
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -313,7 +310,7 @@ class OpenAIServer:
                             raise _StreamEnded from None
                     lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
                           if gen.logprobs and update.logprobs else None)
-                    if not gen.chat and (gen.echo or gen.drop_output):
+                    if gen.echo:
                         text, lp = (self._echoed(gen, s, update, update.text, update.logprobs or []) if tokens[i] == 0
                                     else ("", None) if gen.drop_output else (update.text, lp))
                         update = dataclasses.replace(update, text=text)

@@ -148,7 +148,7 @@ class GenerationRequest:
     echo: bool = False       # completions: the prompt (and its logprobs) before each choice's output
     num_logprobs: int = 0    # completions: the alternatives per logprobs token
     prompt_logprobs: int | None = None         # completions: vLLM's prompt_logprobs list, N alternatives
-    drop_output: bool = False                  # max_tokens 0 (with echo): the one token run is dropped
+    drop_output: bool = False                  # max_tokens 0 (only with echo): the one token run is dropped
 
 
 class OpenAIProtocol:
