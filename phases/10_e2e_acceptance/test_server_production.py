@@ -338,9 +338,10 @@ def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model
 
 def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, model_dir):
     """A streamed echo sends the prompt's text (and its logprobs) in the first chunk and the same
-    text and logprobs as the answer; ``prompt_logprobs: 2`` gives vLLM's list: None, then per
-    token {id: {logprob, rank, decoded_token}} for the token and its 2 most likely tokens, equal to
-    transformers' log-softmax of the prompt."""
+    text and logprobs as the answer (max_tokens 0: the prompt alone, no completion token);
+    ``prompt_logprobs: 2`` gives vLLM's list: None, then per token {id: {logprob, rank,
+    decoded_token}} for the token and its 2 most likely tokens, equal to transformers'
+    log-softmax of the prompt."""
     import transformers
 
     tokenizer = served.engine_loop.engine.tokenizer
@@ -360,6 +361,11 @@ def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, m
     assert offsets[len(prompt)] == len(tokenizer.decode(prompt))  # the output's first token follows the prompt
     assert streamed[0]["text_offset"][:len(prompt) + 1] == offsets[:len(prompt) + 1]
     assert chunks[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    status, raw = http(served.url + "/v1/completions", {**body, "stream": True, "max_tokens": 0,
+                                                         "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == tokenizer.decode(prompt)
+    assert events[-1]["usage"]["completion_tokens"] == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
