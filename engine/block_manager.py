@@ -10,7 +10,8 @@ chunks publishes block by block): a failed or aborted forward never leaves a has
 pointing at K/V that does not exist, and a token sampled by a step still in flight
 (not yet known on the host) is never hashed. Freed blocks keep their hash, and so stay
 reusable, until they are handed out again; the least recently freed block is handed
-out first.
+out first. A sequence asking for prompt logprobs shares no cached block (its whole prompt is
+computed, so every prompt position gives its logits); its own blocks are published as usual.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class BlockManager:
         ``seq`` would share it instead of computing it again."""
         hashes = self._full_block_hashes(seq)
         hits = self._prefix_hits(seq, hashes)
-        shareable = min(len(hashes), (seq.num_tokens - 1) // self.block_size)  # never the last prompt token's
+        shareable = min(len(hashes), self._num_shareable(seq))
         return len(hits) < shareable and hashes[len(hits)] in self._coming
 
     def can_allocate(self, seq: Sequence, num_reserved: int = 0) -> bool:
@@ -208,12 +209,19 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence, hashes: list[bytes]) -> list[int]:
         """Cached block ids for the leading hashes, never the block of the last prompt token."""
         hits = []
-        for h in hashes[:(seq.num_tokens - 1) // self.block_size]:
+        for h in hashes[:self._num_shareable(seq)]:
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _num_shareable(self, seq: Sequence) -> int:
+        """Leading blocks ``seq`` may take from the cache: none when it asks for prompt logprobs,
+        else never the block of its last token."""
+        if seq.sampling_params.prompt_logprobs is not None:
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
 
     def _num_blocks_taken(self, seq: Sequence, hits: list[int]) -> int:
         """Free blocks that allocating ``seq`` with these prefix hits consumes."""

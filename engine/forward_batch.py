@@ -10,6 +10,7 @@ import torch
 from engine.attention_context import AttentionContext
 
 if TYPE_CHECKING:
+    from engine.prompt_logprobs import PromptLogprobsPlan
     from engine.sampling_rows import SamplingPlan
     from engine.scheduler import ScheduledBatch
 
@@ -71,7 +72,9 @@ class ForwardBatch:
     a decode step), ``table_rows`` [R] (its request's block-table and sampling row) and
     ``output_indices`` [R] (the output index it samples). ``random_rows`` [S]: the logits rows
     drawn at random (temperature > 0; the others take the argmax), and ``sampling`` the rest of
-    the host-side sampling plan. Tensors are on the runner's device."""
+    the host-side sampling plan. ``prompt_logprobs``: the prompt logprobs the step gives (None:
+    none; in a mixed step their logits rows follow the sampled ones). Tensors are on the runner's
+    device."""
 
     batch: ScheduledBatch
     input_ids: torch.Tensor
@@ -83,3 +86,4 @@ class ForwardBatch:
     random_rows: torch.Tensor
     sampling: SamplingPlan
     graph_size: int | None = None
+    prompt_logprobs: PromptLogprobsPlan | None = None

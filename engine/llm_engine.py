@@ -210,9 +210,11 @@ class LLMEngine:
                 raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab}), got "
                                  f"{getattr(params, name)!r}")
         if self.engine_config.model.model_class is None and (params.penalized or params.min_tokens or
-                                                       params.logprobs is not None or params.constrained):
+                                                       params.logprobs is not None or params.constrained or
+                                                       params.prompt_logprobs is not None):
             raise ValueError("the hf backend does not apply penalties, min_tokens or constraints (logit_bias, "
-                             "allowed_token_ids, bad words, structured outputs) and returns no logprobs")
+                             "allowed_token_ids, bad words, structured outputs) and returns no logprobs or "
+                             "prompt logprobs")
 
     def _release(self, seq: Sequence) -> None:
         """The scheduler freed ``seq``'s blocks (finished, or preempted) or rejected it: its runner
@@ -357,6 +359,7 @@ class LLMEngine:
         token_ids = launched.token_ids()
         waited = time.perf_counter() - start
         result = self.scheduler.postprocess(launched.batch, token_ids)
+        self.outputs.add_prompt_logprobs(launched.prompt_logprobs())
         for request_id, reason in self.outputs.process_outputs(result.outputs, launched.logprobs()):
             self.scheduler.finish(request_id, reason)
         if any(out.seq.sampling_params.structured is not None for out in result.outputs):

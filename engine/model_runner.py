@@ -22,8 +22,11 @@ lengths with that many tokens): a step is padded to the next captured size with 
 attend to one token of block 0 (whatever it holds; their output is dropped) and write nowhere
 (slot -1). Any other step is mixed and eager: decode tokens first (paged decode attention), then
 prefill chunks (varlen attention over any cached prefix). Sampling runs after the forward, on one
-logits row per entry (its last token) and then one per drafted token. Nothing above the runner
-sees a tensor; nothing below it sees a Sequence.
+logits row per entry (its last token) and then one per drafted token. Requests asking for
+prompt logprobs get them from their chunks' other tokens (``engine.prompt_logprobs``: a mixed
+step computes logits rows for those tokens after the sampled ones; in a decode step they are
+one-token chunks, whose row is their entry's). Nothing above the runner sees a tensor; nothing
+below it sees a Sequence.
 """
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.layers.sampler import Sampler
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
+from engine.prompt_logprobs import (
+    PromptLogprobsPlan,
+    gather_prompt_logprobs,
+    plan_prompt_logprobs,
+    read_prompt_logprobs,
+)
 from engine.sampling_rows import SamplingPlan, SamplingRows, StepLogprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -62,17 +71,21 @@ def unique_parameter_bytes(model: nn.Module) -> int:
 class LaunchedStep:
     """A batch whose forward and sampling are queued on the device. ``sampled_ids``: int64
     ``[batch.num_logits_rows]`` on the device, one id per batch entry (meaningless for an entry
-    that does not sample), then one per drafted token (the token sampled after it), and the
-    logprobs of the requests that asked for them. On CUDA both start towards pinned host memory at
-    once (non-blocking, an event records the copies); ``token_ids()`` and ``logprobs()`` wait for
-    them."""
+    that does not sample), then one per drafted token (the token sampled after it), the logprobs
+    of the requests that asked for them and the ``prompt_logprobs`` of its ``prompt_plan`` (the
+    tensors of ``gather_prompt_logprobs``). On CUDA all start towards pinned host memory at once
+    (non-blocking, an event records the copies); ``token_ids()``, ``logprobs()`` and
+    ``prompt_logprobs()`` wait for them."""
 
-    def __init__(self, batch: ScheduledBatch, sampled_ids: torch.Tensor, logprobs: StepLogprobs | None = None):
-        self.batch, self.sampled_ids, self._logprobs = batch, sampled_ids, logprobs
+    def __init__(self, batch: ScheduledBatch, sampled_ids: torch.Tensor, logprobs: StepLogprobs | None = None,
+                 prompt_plan: PromptLogprobsPlan | None = None, prompt_logprobs: list[torch.Tensor] | None = None):
+        self.batch, self.sampled_ids, self._logprobs, self._prompt_plan = batch, sampled_ids, logprobs, prompt_plan
         self._index_of: dict[str, int] | None = None
         self._host, self._copied = [sampled_ids], None
         if logprobs is not None:
             self._host += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
+        self._num_prompt = len(prompt_logprobs or ())
+        self._host += prompt_logprobs or []
         if sampled_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                           for t in self._host]
@@ -94,10 +107,18 @@ class LaunchedStep:
         if self._logprobs is None:
             return {}
         self._wait()
-        chosen, values, ids = (t.tolist() for t in self._host[1:])
+        chosen, values, ids = (t.tolist() for t in self._host[1:4])
         seqs = [self.batch.seqs[row] for row in self._logprobs.rows]  # an entry's logits row is its index
         return {seq.request_id: (c, list(zip(i[:seq.sampling_params.logprobs], v[:seq.sampling_params.logprobs])))
                 for seq, c, v, i in zip(seqs, chosen, values, ids)}
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list]]:
+        """Request id -> (first target position, [(token id, logprob, [(token id, logprob)])] per
+        target) of the prompt logprobs this step computed (``read_prompt_logprobs``; rank 0)."""
+        if not self._num_prompt:
+            return {}
+        self._wait()
+        return read_prompt_logprobs(self._prompt_plan, self._host[-self._num_prompt:])
 
     @property
     def index_of(self) -> dict[str, int]:
@@ -183,7 +204,11 @@ class ModelRunner:
         not know yet (required whenever ``batch`` holds such a token)."""
         with self._on_device():
             step = self.prepare(batch, previous)
-            return LaunchedStep(batch, *self.sampling.sample(self.forward(step), step))
+            logits = self.forward(step)
+            prompt = step.prompt_logprobs
+            gathered = gather_prompt_logprobs(logits, prompt) if prompt is not None and self.tp.rank == 0 else None
+            return LaunchedStep(batch, *self.sampling.sample(logits[:batch.num_logits_rows], step), prompt,
+                                gathered)
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence's rows (no-op if it holds none)."""
@@ -212,12 +237,19 @@ class ModelRunner:
         moves = _pending_moves(batch, previous)
         sampling = self.sampling.plan(batch, output_indices)
         if batch.is_decode:
-            return self._prepare_decode(batch, table_rows, output_indices, moves, sampling, previous, decode_size)
+            step = self._prepare_decode(batch, table_rows, output_indices, moves, sampling, previous, decode_size)
+            step.prompt_logprobs = prompt = plan_prompt_logprobs(batch, list(range(len(batch))))  # row = entry
+            if prompt is not None:
+                d = to_device_packed({"rows": torch.tensor(prompt.token_indices, dtype=torch.int64),
+                                      "target_ids": torch.tensor(prompt.targets, dtype=torch.int64)}, self.device)
+                prompt.rows, prompt.target_ids = d["rows"], d["target_ids"]
+            return step
         return self._prepare_mixed(batch, table_rows, output_indices, moves, sampling, previous)
 
     def forward(self, step: ForwardBatch) -> torch.Tensor:
-        """The logits [R, V] of the step's logits rows: its captured graph replayed, or the model run
-        eagerly under the step's attention context (a padded ``decode_size`` step: every row)."""
+        """The logits [R, V] of the step's logits rows (a mixed step's prompt-logprob rows after
+        them): its captured graph replayed, or the model run eagerly under the step's attention
+        context (a padded ``decode_size`` step: every row)."""
         if step.graph_size is not None:
             graph, logits = self.graphs[step.graph_size]
             graph.replay()
@@ -308,8 +340,8 @@ class ModelRunner:
         their table rows): each entry's last token, then the drafted tokens. The rest are prefill
         chunks (varlen attention; when any chunk has a computed prefix, ``prefill_kv_slots`` lists
         the cache slots of every context token of every chunk). The logits rows are each entry's
-        last token (in entry order), then each drafted token. Pending input tokens are read from
-        ``previous``'s ids on the device."""
+        last token (in entry order), then each drafted token, then the tokens whose logits give
+        prompt logprobs. Pending input tokens are read from ``previous``'s ids on the device."""
         seqs, starts, nums = batch.seqs, batch.starts, batch.num_tokens
         num_decode = next((i for i, (n, d) in enumerate(zip(nums, batch.drafts)) if n != 1 + len(d)), len(nums))
         draft_ids, draft_positions = _draft_tokens(batch)
@@ -326,6 +358,7 @@ class ModelRunner:
         prefill_rows = rows[num_decode:len(batch)]
         kv_lens = prefill_starts + q_lens
         cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lens.cumsum(0)])
+        prompt = plan_prompt_logprobs(batch, list(range(num_decode)) + (num_decode_tokens + cu_q[:-1]).tolist())
         parts = {
             "input_ids": torch.tensor(decode_ids + draft_ids + list(prefill_ids), dtype=torch.int64),
             "positions": torch.cat([torch.tensor(starts[:num_decode] + draft_positions, dtype=torch.int64),
@@ -334,7 +367,8 @@ class ModelRunner:
             "token_table_rows": torch.cat([rows[:num_decode], rows[len(batch):],
                                            torch.repeat_interleave(prefill_rows, q_lens)]),
             "logits_indices": torch.cat([torch.arange(num_decode), num_decode_tokens + cu_q[1:] - 1,
-                                         torch.arange(num_decode, num_decode_tokens)]),
+                                         torch.arange(num_decode, num_decode_tokens),
+                                         torch.tensor(prompt.token_indices if prompt else [], dtype=torch.int64)]),
             "table_rows": rows,
             "output_indices": torch.tensor(output_indices, dtype=torch.int64),
             "random_rows": torch.tensor(sampling.random_rows, dtype=torch.int64),
@@ -342,6 +376,7 @@ class ModelRunner:
             "cu_seqlens_k": cu_k,
             "move_to": torch.tensor([entry for entry, _ in moves], dtype=torch.int64),  # a decode's token is its entry
             "move_from": torch.tensor([src for _, src in moves], dtype=torch.int64),
+            "prompt_targets": torch.tensor(prompt.targets if prompt else [], dtype=torch.int64),
         }
         any_computed = bool(prefill_starts.any())
         if any_computed:  # every context token of every chunk, read back from the cache
@@ -365,8 +400,12 @@ class ModelRunner:
             block_tables=self.tables.data.index_select(0, decode_rows)[:, :width] if num_decode_tokens else None,
             context_lens=(d["positions"][:num_decode_tokens] + 1).to(torch.int32) if num_decode_tokens else None,
         )
+        if prompt is not None:
+            prompt.rows = torch.arange(batch.num_logits_rows, batch.num_logits_rows + len(prompt.targets),
+                                       device=self.device)
+            prompt.target_ids = d["prompt_targets"]
         return ForwardBatch(batch, d["input_ids"], d["positions"], attention, d["logits_indices"], d["table_rows"],
-                            d["output_indices"], d["random_rows"], sampling)
+                            d["output_indices"], d["random_rows"], sampling, prompt_logprobs=prompt)
 
     def capture_decode_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each

@@ -42,8 +42,11 @@ class RequestOutput:
     asked for them; from the cursor on): per output token, its id, its logprob and the
     [(token id, logprob)] of the most likely tokens. Speculative decoding: the tokens drafted
     for it and verified (``num_draft_tokens``) and those accepted (``num_accepted_tokens``).
-    ``num_cached_tokens``: its prompt tokens found in the prefix cache, as seen at its outputs
-    (0 when its first output token also finished it: its blocks are freed before it is read)."""
+    ``num_cached_tokens``: its prompt tokens found in the prefix cache at its first admission
+    (``Sequence.num_cached_prompt_tokens``; 0 before it was admitted). ``prompt_logprobs`` (when
+    the request asked for them; always whole): per prompt token, None for the first, then as
+    ``logprobs`` (the token, its logprob given the tokens before it, the most likely tokens),
+    as far as its prefill chunks have computed (read on TP rank 0 only)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -57,16 +60,17 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass
 class RequestState:
     """What the output processor holds for one request: its ``seq`` (read only), the
-    ``detokenizer`` of its text (None: no text), its ``logprobs`` (None: not asked for), how many
+    ``detokenizer`` of its text (None: no text), its ``logprobs`` and ``prompt_logprobs`` (None:
+    not asked for; the prompt's start with None for its first token), how many
     characters a running request's text holds back (``hold_back``: its longest stop string - 1),
     how many of its output tokens reached the output (``num_tokens``), the finish reason
-    reported (``finish_reason``, ``error``) and the prompt tokens its sequence found cached
-    (``num_cached_tokens``, read at each output while it holds its blocks)."""
+    reported (``finish_reason``, ``error``)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -75,7 +79,7 @@ class RequestState:
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -97,7 +101,8 @@ class OutputProcessor:
         self._requests[seq.request_id] = RequestState(
             seq, IncrementalDetokenizer(decode=self.decode if params.skip_special_tokens else self.decode_special)
             if text else None,
-            [] if params.logprobs is not None else None, max(map(len, params.stop), default=1) - 1)
+            [] if params.logprobs is not None else None, max(map(len, params.stop), default=1) - 1,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def remove(self, request_id: str) -> None:
         del self._requests[request_id]
@@ -136,12 +141,23 @@ class OutputProcessor:
         return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens], text,
                              finished, state.finish_reason, seq.reject_reason,
                              None if state.logprobs is None else state.logprobs[tokens_from:],
-                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error, state.num_cached_tokens)
+                             seq.num_draft_tokens, seq.num_accepted_tokens, state.error,
+                             seq.num_cached_prompt_tokens or 0, state.prompt_logprobs)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
         detok = self._requests[request_id].detokenizer
         return detok.token_ids if detok is not None else []
+
+    def add_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[Logprobs]]]) -> None:
+        """Take one step's prompt logprobs (request id -> (first target position, one ``Logprobs``
+        per target)): the targets past those the request holds are kept (a recomputed request
+        gives its prompt again, in chunks that need not end where the first pass's did)."""
+        for request_id, (first, items) in prompt_logprobs.items():
+            state = self._requests.get(request_id)
+            held = None if state is None else len(state.prompt_logprobs)
+            if held is not None and first <= held < first + len(items):
+                state.prompt_logprobs = state.prompt_logprobs + items[held - first:]  # new list: outputs read stay
 
     def process_outputs(self, outputs: list[SequenceOutput], logprobs: dict[str, tuple]) -> list[tuple[str, str]]:
         """Take one step's outputs (``logprobs``: request id -> (the new token's logprob, [(token id,
@@ -151,7 +167,6 @@ class OutputProcessor:
         texts = []
         for out in outputs:
             state = self._requests[out.seq.request_id]
-            state.num_cached_tokens = max(state.num_cached_tokens, out.seq.num_cached_tokens)
             if state.logprobs is not None and out.seq.request_id in logprobs:
                 state.logprobs.append((out.new_token_ids[-1], *logprobs[out.seq.request_id]))
             if state.detokenizer is None:

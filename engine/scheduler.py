@@ -427,6 +427,8 @@ class Scheduler:
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING_PREFILL
             seq.num_computed_tokens = seq.num_cached_tokens
+            if seq.num_cached_prompt_tokens is None:  # its first admission: what usage reports
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
             self.waiting.popleft()
             self.running.append(seq)
             budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))

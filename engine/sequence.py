@@ -192,8 +192,10 @@ class Sequence:
     allocation) belong to the BlockManager; ``status``, ``finish_reason``, ``reject_reason``,
     ``num_computed_tokens`` (tokens whose K/V is written once every scheduled step has run) and
     ``num_in_flight`` (scheduled steps holding this sequence not yet postprocessed) to the Scheduler,
-    which also counts the drafted tokens verified for it (``num_draft_tokens``, speculative
-    decoding) and those the target model accepted (``num_accepted_tokens``).
+    which also records ``num_cached_prompt_tokens`` (the prompt tokens the prefix cache gave it at
+    its first admission, as vLLM reports them; kept after its blocks are freed) and counts the
+    drafted tokens verified for it (``num_draft_tokens``, speculative decoding) and those the
+    target model accepted (``num_accepted_tokens``).
     ``seed`` is the request's sampling seed, drawn on the host when none is given.
     """
 
@@ -216,6 +218,7 @@ class Sequence:
         self.reject_reason: str | None = None
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_cached_prompt_tokens: int | None = None  # None: never admitted
         self.num_computed_tokens = 0
         self.num_in_flight = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0

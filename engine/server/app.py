@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -247,11 +248,30 @@ class OpenAIServer:
                     _raise_if_failed(update)
         choices = []
         for s, parts, items, final in zip(streams, texts, logprobs, finals):
-            lp = self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
-            choice = self.protocol.choice(gen.chat, s.index, "".join(parts), final.finish_reason, lp)
+            text, lp = "".join(parts), self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
+            if gen.echo:
+                text, lp = self._echoed(gen, s, final, text, items)
+            choice = self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp)
+            if gen.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.protocol.prompt_logprobs_object(final.prompt_logprobs,
+                                                                                 gen.prompt_logprobs)
             choices.append(choice if gen.parsing is None else self._parsed_message(gen.parsing, choice))
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": _usage(gen, sum(counts), finals)})
+                                  "usage": _usage(gen, 0 if gen.drop_output else sum(counts), finals)})
+
+    def _echoed(self, gen: GenerationRequest, s: Stream, update: RequestOutput, text: str,
+                items: list) -> tuple[str, dict | None]:
+        """An echoed completion choice's first (or whole) text and its logprobs object (None: not
+        asked): the prompt's text and logprobs, then the output's (none when it is dropped, max_tokens
+        0), whose text offsets count from the prompt text's end."""
+        if gen.drop_output:
+            text, items = "", []
+        prompt_text, lp = self.protocol.tokenizer.decode(s.prompt_token_ids), None
+        if gen.logprobs:
+            echoed = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
+            lp = self.protocol.logprobs_object(False, items, len(prompt_text))
+            lp = {k: v + lp[k] for k, v in self.protocol.logprobs_object(False, echoed).items()}
+        return prompt_text + text, lp
 
     async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
                       bell: asyncio.Event) -> web.StreamResponse:
@@ -290,9 +310,16 @@ class OpenAIServer:
                             raise _StreamEnded from None
                     lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
                           if gen.logprobs and update.logprobs else None)
+                    if gen.echo:
+                        text, lp = (self._echoed(gen, s, update, update.text, update.logprobs or []) if tokens[i] == 0
+                                    else ("", None) if gen.drop_output else (update.text, lp))
+                        update = dataclasses.replace(update, text=text)
                     if parsers is None:
-                        await send({**head, "choices": [self.protocol.delta(gen.chat, s.index, update.text,
-                                                                             update.finish_reason, lp)]})
+                        delta = self.protocol.delta(gen.chat, s.index, update.text, update.finish_reason, lp)
+                        if gen.prompt_logprobs is not None and tokens[i] == 0:
+                            delta["prompt_logprobs"] = self.protocol.prompt_logprobs_object(update.prompt_logprobs,
+                                                                                            gen.prompt_logprobs)
+                        await send({**head, "choices": [delta]})
                     else:  # one chunk per delta the parsers make; the logprobs ride on the first
                         deltas, finish_reason = self._parsed_deltas(parsers[i], update)
                         if deltas or lp is not None or update.finished:
@@ -304,7 +331,8 @@ class OpenAIServer:
                     sent[i] += len(update.text)
                     tokens[i] += len(update.token_ids)
             if gen.include_usage:
-                await send({**head, "choices": [], "usage": _usage(gen, sum(tokens), finals)})
+                await send({**head, "choices": [], "usage": _usage(gen, 0 if gen.drop_output else sum(tokens),
+                                                                    finals)})
             await send("[DONE]")
             await response.write_eof()
         except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it

@@ -6,8 +6,17 @@ silent: a request the engine could not run is a 400 naming the field, never a fa
 step. Every field is honoured or refused: OpenAI's fields that mean nothing to a server like
 this one (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored, as
 OpenAI-compatible servers do; a field this server knows but does not implement is refused when
-it asks for something (``REFUSED``: ``echo``, ``suffix``, ``prompt_logprobs``, a ``priority``
-other than 0, chat's ``add_special_tokens``); any other field is a 400 naming it.
+it asks for something (``REFUSED``: ``suffix``, a ``priority`` other than 0, chat's ``echo``,
+``prompt_logprobs`` and ``add_special_tokens``); any other field is a 400 naming it.
+
+Completions take ``echo`` (the prompt's text, its token ids decoded, before each choice's text;
+with ``logprobs: N`` the choice's logprobs cover the prompt tokens first, the first one with a
+null logprob and no alternatives, as OpenAI's legacy completions give them) and vLLM's
+``prompt_logprobs: N`` (a ``prompt_logprobs`` list on each choice: per prompt token null for the
+first, else ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the token and the N most
+likely ones; ranks count from 1 among the N, the token's own rank is null when it is not among
+them). ``max_tokens: 0`` with ``echo`` (lm-eval's loglikelihood) answers the prompt alone: the
+engine runs one token, which the answer drops (text, logprobs and usage).
 
 vLLM's sampling extensions are honoured: ``min_p``, ``logit_bias`` (OpenAI's ``{"token id": bias}``,
 ids in [0, vocab), biases in [-100, 100]), ``allowed_token_ids``, ``bad_words`` (each word banned
@@ -51,7 +60,7 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "b
                  "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
                  "structured_outputs", "until", "do_sample", "min_p", "logit_bias", "allowed_token_ids",
                  "bad_words", "include_stop_str_in_output", "skip_special_tokens"} | IGNORED_FIELDS
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens", "echo", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs"}
 # fields this server knows and does not implement (where the request kind does not take them):
@@ -136,6 +145,10 @@ class GenerationRequest:
     logprobs: bool           # return logprobs (chat: with top_logprobs alternatives)
     structured: StructuredSpec | None = None   # what the output must match (compiled before it runs)
     parsing: ChatParsing | None = None         # chat: how the output is read (None: as generated)
+    echo: bool = False       # completions: the prompt (and its logprobs) before each choice's output
+    num_logprobs: int = 0    # completions: the alternatives per logprobs token
+    prompt_logprobs: int | None = None         # completions: vLLM's prompt_logprobs list, N alternatives
+    drop_output: bool = False                  # max_tokens 0 (only with echo): the one token run is dropped
 
 
 class OpenAIProtocol:
@@ -163,10 +176,17 @@ class OpenAIProtocol:
         self._check_fields(body, COMPLETION_FIELDS)
         logprobs = _bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
         prompts = self._completion_prompts(body.get("prompt"), field(body, "add_special_tokens", bool, False))
-        max_tokens = _bounded_int(body, "max_tokens", 1, MAX_SEED, None)
+        echo = field(body, "echo", bool, False)
+        prompt_logprobs = _bounded_int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+        max_tokens = _bounded_int(body, "max_tokens", 0 if echo else 1, MAX_SEED, None)
         structured = self._structured(body) if _constrained(body) else None
-        return self._request(body, prompts, max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, chat=False,
-                             structured=structured)
+        gen = self._request(body, prompts, 1 if max_tokens == 0 else max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                            logprobs, chat=False, structured=structured)
+        asked = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+        for choice in gen.choices:  # the engine computes the most alternatives either asks
+            choice.params = dataclasses.replace(choice.params, prompt_logprobs=max(asked) if asked else None)
+        return dataclasses.replace(gen, echo=echo, num_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
+                                   drop_output=max_tokens == 0)
 
     def chat(self, body: dict) -> GenerationRequest:
         self._check_fields(body, CHAT_FIELDS)
@@ -461,10 +481,29 @@ class OpenAIProtocol:
         for text in tokens:
             offsets.append(at)
             at += len(text)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in items],
-                "top_logprobs": [{self.token_text(i): _finite(v) for i, v in [(t, lp), *top]}
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in items],
+                "top_logprobs": [None if lp is None else {self.token_text(i): _finite(v) for i, v in [(t, lp), *top]}
                                  for t, lp, top in items],
                 "text_offset": offsets}
+
+    def echoed_logprobs(self, prompt_token_ids: list[int], prompt_logprobs: list, n: int) -> list:
+        """The prompt's tokens as logprobs items for an echo: the first with a None logprob (no
+        alternatives), the others with their ``n`` most likely tokens."""
+        return [(prompt_token_ids[0], None, [])] + [(t, lp, top[:n]) for t, lp, top in prompt_logprobs[1:]]
+
+    def prompt_logprobs_object(self, prompt_logprobs: list, n: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first), else {token id string:
+        {"logprob", "rank", "decoded_token"}} for the token and its ``n`` most likely tokens (rank:
+        1-based among those; the token's own rank is None when it is not among them)."""
+        def entry(token_id, lp, rank):
+            return {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        out = [None]
+        for t, lp, top in prompt_logprobs[1:]:
+            ranks = {i: r for r, (i, _) in enumerate(top[:n], 1)}
+            out.append({str(t): entry(t, lp, ranks.get(t)),
+                        **{str(i): entry(i, v, ranks[i]) for i, v in top[:n] if i != t}})
+        return out
 
     def choice(self, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         if chat:

@@ -62,3 +62,34 @@ def test_tp_overlapped_steps_match_synchronous(tp_group, tp_device, tiny_checkpo
     gathered = [None] * tp_group.size
     dist.all_gather_object(gathered, results[True])
     assert all(g == gathered[0] for g in gathered), "ranks disagree"
+
+
+@pytest.mark.torchrun
+def test_tp_prompt_logprobs_match_transformers(tp_group, tp_device, tiny_checkpoint):
+    """Prompt logprobs at TP = world size, over chunked prefill: rank 0 reads them (equal to
+    transformers' log-softmax of the prompt); every rank gives the same tokens."""
+    import torch
+    import transformers
+
+    path = tiny_checkpoint("Qwen3ForCausalLM", seed=11)
+    engine = LLMEngine(path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=96,
+                       device=tp_device, dtype="float32")
+    prompt = prompts_with_shared_prefix(seed=5)[6]
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_request(rid)
+    gathered = [None] * tp_group.size
+    dist.all_gather_object(gathered, out.token_ids)
+    assert all(g == gathered[0] for g in gathered), "ranks disagree"
+    if tp_group.rank == 0:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for t in range(1, len(prompt)):
+            token, chosen, top = got[t]
+            assert token == prompt[t] and chosen == pytest.approx(float(expected[t - 1, token]), abs=1e-4)
+            assert [i for i, _ in top] == expected[t - 1].topk(2).indices.tolist()
+    assert_no_block_leaks(engine)

@@ -354,3 +354,20 @@ def test_a_request_whose_text_fails_fails_alone(engines, monkeypatch):
     assert [outs[0].text, outs[2].text] == [texts[0], texts[2]]
     assert outs[0].finish_reason == outs[2].finish_reason == "length"
     assert_no_block_leaks(engine)
+
+
+def test_cached_tokens_of_a_one_token_request(engines):
+    """A request whose first output token also finishes it (max_tokens=1) reports the prompt
+    tokens the prefix cache gave it, though its blocks are freed before its output is read."""
+    engine = engines["Qwen3ForCausalLM"]
+    prompt = list(range(30, 43))  # 13 tokens: three full blocks of 4 can be shared
+    first = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pop_request(first).num_cached_tokens == 0
+    again = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_request(again)
+    assert len(out.token_ids) == 1 and out.num_cached_tokens == 12
+    assert_no_block_leaks(engine)

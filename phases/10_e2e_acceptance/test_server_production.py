@@ -288,10 +288,13 @@ def test_a_client_that_never_reads_does_not_stall_the_others(served, client, ora
     wait_idle(served.engine_loop)
 
 
-def test_benchmark_and_eval_client_payloads_work_unchanged(served, client):
+def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model_dir):
     """The bodies vLLM's and SGLang's serving benchmarks and lm-eval's local-completions send, as
-    they send them: answered (vLLM's streamed, with a usage chunk); lm-eval's loglikelihood body
-    (echo, prompt logprobs) is refused with a 400 naming echo."""
+    they send them: answered (vLLM's streamed, with a usage chunk); lm-eval's loglikelihood bodies
+    (echo, logprobs 1, max_tokens 1 or 0) answer the prompt's text and its tokens' logprobs, equal
+    to transformers' log-softmax of the prompt (max_tokens 0: the prompt alone)."""
+    import transformers
+
     vllm = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 5,
             "logprobs": None, "best_of": 1, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
@@ -308,7 +311,70 @@ def test_benchmark_and_eval_client_payloads_work_unchanged(served, client):
         answer = json.loads(raw)
         assert len(answer["choices"]) == (len(body["prompt"]) if isinstance(body["prompt"], list) else 1)
         assert all(c["text"] for c in answer["choices"])
-    loglikelihood = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-                     "seed": 1234, "echo": True}
-    status, raw = http(served.url + "/v1/completions", loglikelihood)
-    assert status == 400 and assert_error_object(raw, "echo")
+    tokenizer = served.engine_loop.engine.tokenizer
+    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    for max_tokens in (1, 0):
+        loglikelihood = {"model": "tiny", "prompt": PROMPTS[0], "temperature": 0, "max_tokens": max_tokens,
+                         "logprobs": 1, "seed": 1234, "echo": True}
+        status, raw = http(served.url + "/v1/completions", loglikelihood)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        choice, lp = answer["choices"][0], answer["choices"][0]["logprobs"]
+        assert choice["text"].startswith(tokenizer.decode(prompt))
+        assert len(lp["tokens"]) == len(prompt) + max_tokens and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        for t in range(1, len(prompt)):
+            assert lp["token_logprobs"][t] == pytest.approx(float(expected[t - 1, prompt[t]]), abs=1e-4)
+            best = int(expected[t - 1].argmax())
+            assert lp["top_logprobs"][t][tokenizer.decode([best])] == pytest.approx(float(expected[t - 1, best]),
+                                                                                     abs=1e-4)
+        assert answer["usage"]["completion_tokens"] == max_tokens
+        if max_tokens == 0:
+            assert choice["text"] == tokenizer.decode(prompt)
+
+
+def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, model_dir):
+    """A streamed echo sends the prompt's text (and its logprobs) in the first chunk and the same
+    text and logprobs as the answer (max_tokens 0: the prompt alone, no completion token);
+    ``prompt_logprobs: 2`` gives vLLM's list: None, then per token {id: {logprob, rank,
+    decoded_token}} for the token and its 2 most likely tokens, equal to transformers'
+    log-softmax of the prompt."""
+    import transformers
+
+    tokenizer = served.engine_loop.engine.tokenizer
+    prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 3, "logprobs": 0, "echo": True,
+            "prompt_logprobs": 2, "ignore_eos": True}
+    status, raw = http(served.url + "/v1/completions", body)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    status, raw = http(served.url + "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(e[6:])["choices"][0] for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    assert chunks[0]["text"].startswith(tokenizer.decode(prompt))
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert sum((lp["token_logprobs"] for lp in streamed), []) == choice["logprobs"]["token_logprobs"]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets[len(prompt)] == len(tokenizer.decode(prompt))  # the output's first token follows the prompt
+    assert streamed[0]["text_offset"][:len(prompt) + 1] == offsets[:len(prompt) + 1]
+    assert chunks[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    status, raw = http(served.url + "/v1/completions", {**body, "stream": True, "max_tokens": 0,
+                                                         "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == tokenizer.decode(prompt)
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for t in range(1, len(prompt)):
+        values, best = expected[t - 1].topk(2)
+        assert {str(i) for i in best.tolist()} <= set(got[t]) and str(prompt[t]) in got[t]
+        assert got[t][str(prompt[t])]["logprob"] == pytest.approx(float(expected[t - 1, prompt[t]]), abs=1e-4)
+        for rank, (i, v) in enumerate(zip(best.tolist(), values.tolist()), 1):
+            assert got[t][str(i)] == {"logprob": pytest.approx(v, abs=1e-4), "rank": rank,
+                                      "decoded_token": tokenizer.decode([i])}

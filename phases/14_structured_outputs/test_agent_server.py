@@ -257,12 +257,15 @@ def test_logit_bias_allowed_token_ids_and_bad_words_shape_the_words(word_model, 
 
 def test_usage_counts_the_prompt_tokens_found_cached(served, client):
     """A prompt sent twice: the first finds nothing cached, the second every full block before
-    the one holding its last token (usage.prompt_tokens_details.cached_tokens)."""
+    the one holding its last token (usage.prompt_tokens_details.cached_tokens); so does a third
+    with max_tokens 1 (its first token finishes it and frees its blocks before its output is read)."""
     prompt = list(range(4000, 4000 + 23))
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY)
     assert second.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    third = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, **GREEDY)
+    assert third.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 BAD_FIELDS = [
