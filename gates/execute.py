@@ -94,7 +94,10 @@ def _child_env(result_dir: str, threads: int | None) -> dict[str, str]:
     package_parent = str(Path(gates.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     env["GATES_RESULT_DIR"] = result_dir
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    # a gate run is a session of its own: nothing of a torchrun group or a pytest(-xdist) session
+    # it was started from (the gates' own tests under ``make test``) leaks into it
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST",
+                "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         env.pop(var, None)
     return env
 
