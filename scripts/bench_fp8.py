@@ -3,12 +3,13 @@
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
-``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows: bf16 cuBLAS
+``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
 (``F.linear``), ``kernels.fp8.fp8_linear`` with the Triton GEMM (the default) and with
 ``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling; null with the error where it
 refuses the shape), microseconds per call (CUDA events around CUDA-graph replays, median of 20)
 and TB/s of weight bytes at M = 1. Up to 16 rows also the launch shape the decode plan chose
-(``fp8_triton_config``) and the unsplit GEMM's time (``fp8_unsplit_us``).
+(``fp8_triton_config``: the GEMM's ``GemmConfig`` or the GEMV's ``Fp8GemvConfig``) and the unsplit
+GEMM's time (``fp8_unsplit_us``).
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -46,13 +47,13 @@ def graph_us(fn) -> float:
     return elapsed_ms(fn, 20, torch.device("cuda")) * 1000
 
 
-def bench_gemm(preset: dict) -> list[dict]:
+def bench_gemm(preset: dict, row_counts: list[int]) -> list[dict]:
     rows = []
     layer, _ = dense_linear_shapes(preset)
     for n, k in layer:
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q, scales = fp8.quantize_weight(weight)
-        for m in (1, 8, 16, 256, 4096):
+        for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "m": m, "bf16_us": graph_us(lambda: F.linear(x, weight))}
             for gemm in ("triton", "scaled_mm"):
@@ -63,7 +64,8 @@ def bench_gemm(preset: dict) -> list[dict]:
                     row[f"fp8_{gemm}_us"], row[f"fp8_{gemm}_error"] = None, str(error).splitlines()[0]
             os.environ.pop("AGENT_INFER_FP8_GEMM")
             if m <= MAX_ROWS:  # the launch shape the decode plan measured for this shape
-                row["fp8_triton_config"] = decode_plan(x, q, scales, None)._asdict()
+                plan = decode_plan(x, q, scales, None)
+                row["fp8_triton_config"] = {"kernel": type(plan).__name__, **plan._asdict()}
                 row["fp8_unsplit_us"] = graph_us(lambda: triton_fp8.fp8_linear(x, q, scales, config=UNSPLIT))
             if m == 1:
                 row.update({f"{kind}_tb_s": bytes_ / row[f"{kind}_us"] / 1e6 for kind, bytes_ in
@@ -116,12 +118,14 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 256, 4096],
+                        help="gemm: the row counts (M) to time")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     report = {"preset": args.preset, "device": torch.cuda.get_device_name()}
     if args.what == "gemm":
-        report["gemm"] = bench_gemm(preset)
+        report["gemm"] = bench_gemm(preset, args.rows)
     else:
         report["agreement"] = bench_agreement(preset, args.prompts, args.prompt_len, args.tokens)
     text = json.dumps(report, indent=1)

@@ -1,6 +1,6 @@
 """Benchmark the engine.kernels ops on CUDA against copy bandwidth and torch eager.
 
-    python scripts/bench_kernels.py [--json out.json]
+    python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode gemv prefill]
 
 Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
 and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
@@ -176,7 +176,7 @@ def bench_gemv(results, copy):
     """The decode GEMV on Qwen3-8B's linears (down_proj with its SiLU-and-mul prologue) at 1, 4 and 8
     rows: every config as a graph replay, the best against cuBLAS (``F.linear``, after
     ``silu_and_mul`` for down_proj) in the same run; GB/s counts the weight bytes."""
-    from engine.kernels.triton.gemv import CANDIDATES, launch
+    from engine.kernels.triton.gemv import CANDIDATES, FMA_MAX_ROWS, launch
 
     hidden, inter, heads, kv, d = (QWEN[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
     shapes = {"qkv_proj": ((heads + 2 * kv) * d, hidden, None), "o_proj": (hidden, heads * d, None),
@@ -186,7 +186,8 @@ def bench_gemv(results, copy):
         weight = rand(n_out, k_dim) * k_dim ** -0.5
         for rows in (1, 4, 8):
             x = rand(rows, 2 * k_dim if act else k_dim)
-            times = {config: graph_ms(lambda: launch(x, weight, None, act, config)) for config in CANDIDATES}
+            times = {config: graph_ms(lambda: launch(x, weight, None, act, config)) for config in CANDIDATES
+                     if not config.fma or rows <= FMA_MAX_ROWS}
             best = min(times, key=times.get)
             cublas_ms = graph_ms(lambda: reference.decode_gemv(x, weight, None, act))
             row(results, "decode_gemv", "qwen3-8b", f"{name} M={rows} N={n_out} K={k_dim}",
@@ -223,20 +224,22 @@ def bench_prefill(results):
             flops=flops, baseline=baseline, graph=False)
 
 
+SECTIONS = {"elementwise": bench_elementwise, "rotary": bench_rotary_and_store, "decode": bench_decode,
+            "gemv": bench_gemv, "prefill": lambda results, copy: bench_prefill(results)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the full results here")
+    parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), help="run only these sections")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     copy = copy_gbps()
     results: list[dict] = []
-    bench_elementwise(results, copy)
-    bench_rotary_and_store(results, copy)
-    bench_decode(results, copy)
-    bench_gemv(results, copy)
-    bench_prefill(results)
+    for name in opts.only or SECTIONS:
+        SECTIONS[name](results, copy)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy,
               "results": results}
     if opts.json:

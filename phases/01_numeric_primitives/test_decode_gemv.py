@@ -60,6 +60,21 @@ def test_decode_gemv_split_k_merges_every_split(target, split_k):
         run_gemv(target, 5, 40, 300, True, split_k % 2 == 0, seed, config=GemvConfig(16, 128, split_k, 4))
 
 
+@pytest.mark.parametrize("rows, split_k", [(1, 1), (3, 4), (4, 2)])
+def test_decode_gemv_rows_only_tile_matches_float64(target, rows, split_k):
+    """The Triton GEMV's tile of just the rows there are (``fma``: float32 FMAs, 1-4 rows padded to
+    a power of two, not to 16), unsplit and split, with and without the SiLU-and-mul prologue and
+    bias, against float64; more rows than it takes is an error naming the limit."""
+    if "triton" not in target.module:
+        pytest.skip("the tile is a Triton-backend knob")
+    from engine.kernels.triton.gemv import FMA_MAX_ROWS, GemvConfig
+
+    config = GemvConfig(16, 128, split_k, 4, fma=True)
+    run_gemv(target, rows, 40, 300, rows % 2 == 1, split_k > 1, rows * 7 + split_k, config=config)
+    with pytest.raises(ValueError, match=f"at most {FMA_MAX_ROWS}"):
+        run_gemv(target, FMA_MAX_ROWS + 1, 40, 300, False, False, 0, config=config)
+
+
 @pytest.mark.cuda
 def test_decode_gemv_bf16_rows_against_a_float32_weight(target):
     """MoE's router: bf16 activations against its float32 weight give float32 logits, the rows

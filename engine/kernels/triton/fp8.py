@@ -11,8 +11,10 @@ Decode (up to ``gemv.MAX_ROWS`` rows): one 16-row tile would leave only N / BLOC
 looping over all of K, so the K loop is split too (``SPLIT_K`` runs of whole 128-column groups,
 one launch): each program stores its float32 partial sums and the last split of a column block
 to arrive adds them in split order, then the bias (``semaphores.arrive_last``: deterministic, no
-memset, graph-safe). The launch shape (``GemmConfig``) is timed once per shape on CUDA among
-``DECODE_CANDIDATES``, the unsplit GEMM included (``decode_plan``, ``gemv.fastest``).
+memset, graph-safe). Up to ``fp8_gemv.MAX_ROWS`` rows the FP8 GEMV (``fp8_gemv.py``: FMAs over a
+tile of just the rows there are, no padding to 16) is a candidate too. The launch is timed once
+per shape on CUDA among ``DECODE_CANDIDATES`` (the unsplit GEMM included) and the GEMV's
+(``decode_plan``, ``gemv.fastest``).
 
 Experts: assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
 (each expert's rows padded to a whole tile; ``_group_by_expert``), so a program reads one
@@ -32,34 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, GROUP, SCALE_FLOOR, weight_block_rows
+from engine.kernels.fp8 import FP8_DTYPE, GROUP, weight_block_rows
+from engine.kernels.triton import fp8_gemv
+from engine.kernels.triton.fp8_tiles import quantize_tile, store_out
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # "triton" (default) or "scaled_mm"
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
-_MAX = tl.constexpr(FP8_MAX)
-_FLOOR = tl.constexpr(SCALE_FLOOR)
-
-
-@triton.jit
-def saturate_to_fp8(v):
-    """e4m3 of float32 ``v``: clamped to ±448 (saturated, never NaN), then rounded to 3 mantissa
-    bits (nearest, ties to even) in its float32 bits, where a carry reaches the exponent, so the
-    cast itself is exact (Triton's interpreter loses the carry of a rounding that crosses a
-    power of two, and turns values past the e4m3 range into NaN)."""
-    bits = tl.clamp(v, -_MAX, _MAX).to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
-
-
-@triton.jit
-def _quantize_tile(a):
-    """``a [R, 128]`` float32 -> (e4m3 ``[R, 128]``, float32 scales ``[R]``), one group per row.
-    Both divisions round to nearest (``div_rn``): Triton's ``/`` on CUDA is the approximate
-    ``div.full.f32``, one ulp off torch's ``/`` in the scales."""
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), _FLOOR), _MAX)
-    return saturate_to_fp8(tl.div_rn(a, scale[:, None])), scale
 
 
 @triton.jit
@@ -71,7 +53,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, m, k, x_stride, q_stride, s_stride,
     mask = (rows < m)[:, None] & (cols < k)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_tile(x)
+    q, scale = quantize_tile(x)
     tl.store(q_ptr + rows64[:, None] * q_stride + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows64 * s_stride + group, scale, mask=rows < m)
 
@@ -120,7 +102,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
         a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         if QUANTIZE_A:
-            a, a_scale = _quantize_tile(a.to(tl.float32))
+            a, a_scale = quantize_tile(a.to(tl.float32))
         else:
             a_scale = tl.load(a_scale_ptr + a_rows * a_scale_stride + k0 // BLOCK_K, mask=row_ok, other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
@@ -134,19 +116,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
             for s in range(SPLIT_K):
                 acc += tl.load(part_ptr + (s * m + out_rows[:, None]) * n + cols[None, :], mask=out_mask,
                                other=0.0, cache_modifier=".cg")
-            _store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
+            store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
                        out_mask, HAS_BIAS)
     else:
-        _store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
+        store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
                    out_mask, HAS_BIAS)
-
-
-@triton.jit
-def _store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS: tl.constexpr):
-    """``acc`` (+ the bias of ``cols``) cast to the output's dtype, stored at ``out_ptrs``."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 class GemmConfig(NamedTuple):
@@ -173,26 +147,29 @@ def _block_sizes(rows: int) -> GemmConfig:
 DECODE_CANDIDATES = [_block_sizes(1)] + [GemmConfig(16, block_n, split_k, 4, 3) for block_n, split_k in
                                          [(32, 2), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (128, 8),
                                           (32, 16), (64, 16)]]
-DECODE_DEFAULT = GemmConfig(16, 32, 2, 4, 3)  # without CUDA (the interpreter): split, so that path is run
-_DECODE_PLANS: dict[tuple, GemmConfig] = {}
+DECODE_DEFAULT = GemmConfig(16, 32, 2, 4, 3)  # without CUDA (the interpreter), past the GEMV's rows: split
+_DECODE_PLANS: dict[tuple, GemmConfig | fp8_gemv.Fp8GemvConfig] = {}
 
 
 def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> GemmConfig:
-    """The launch shape for ``a [M <= gemv.MAX_ROWS, K]`` against this weight: on CUDA the fastest
-    of ``DECODE_CANDIDATES`` on this shape, timed once per shape (``gemv.fastest``; inside a
-    capture an unmeasured shape keeps the unsplit GEMM); ``DECODE_DEFAULT`` elsewhere."""
+                bias: torch.Tensor | None) -> GemmConfig | fp8_gemv.Fp8GemvConfig:
+    """The launch for ``a [M <= gemv.MAX_ROWS, K]`` against this weight: on CUDA the fastest of
+    ``DECODE_CANDIDATES`` and of the GEMV's (``fp8_gemv.CANDIDATES`` whose tile fits M rows) on
+    this shape, timed once per shape (``gemv.fastest``; inside a capture an unmeasured shape
+    keeps the unsplit GEMM); elsewhere (the interpreter) the GEMV's default up to its rows,
+    ``DECODE_DEFAULT`` beyond."""
+    rows = a.shape[0]
     if a.device.type != "cuda":
-        return DECODE_DEFAULT
-    key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None)
-    return fastest(_DECODE_PLANS, key, _block_sizes(a.shape[0]), lambda: _decode_runs(a, weight, weight_scale, bias))
+        return fp8_gemv.DEFAULT if rows <= fp8_gemv.MAX_ROWS else DECODE_DEFAULT
+    key = (a.device, rows, *weight.shape, weight_scale.shape[0], a.dtype, bias is not None)
+    return fastest(_DECODE_PLANS, key, _block_sizes(rows), lambda: _decode_runs(a, weight, weight_scale, bias))
 
 
 def _decode_runs(a, weight, weight_scale, bias) -> dict:
-    """Every decode candidate -> a call launching it (into one output buffer), for timing."""
-    out = torch.empty(a.shape[0], weight.shape[0], dtype=a.dtype, device=a.device)
-    return {config: lambda config=config: _launch(a, None, weight, weight_scale, bias, out, a.shape[0], 1, config)
-            for config in DECODE_CANDIDATES}
+    """Every decode candidate that fits ``a``'s rows -> a call running ``fp8_linear`` with it."""
+    gemvs = [config for config in fp8_gemv.CANDIDATES if fp8_gemv.fits(config, a.shape[0])]
+    return {config: lambda config=config: fp8_linear(a, weight, weight_scale, bias, config)
+            for config in DECODE_CANDIDATES + gemvs}
 
 
 def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile_expert=None, experts_per_row=1):
@@ -217,9 +194,11 @@ def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None,
+               config: GemmConfig | fp8_gemv.Fp8GemvConfig | None = None) -> torch.Tensor:
     """See ``engine.kernels.fp8.fp8_linear``. ``config`` (None: ``decode_plan`` up to
-    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch shape."""
+    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch: the GEMV
+    (``fp8_gemv``) for its configs, else the GEMM."""
     a = x.reshape(-1, x.shape[-1])
     m, n = a.shape[0], weight.shape[0]
     if os.environ.get(GEMM_ENV) == "scaled_mm" and _scaled_mm_fits(a, weight, weight_scale):
@@ -230,7 +209,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         a, a_scale = quantize_per_token_group(a)
     if config is None:
         config = decode_plan(a, weight, weight_scale, bias) if m <= MAX_ROWS else _block_sizes(m)
-    _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, config.block_m), config)
+    if isinstance(config, fp8_gemv.Fp8GemvConfig):
+        fp8_gemv.launch(a, weight, weight_scale, bias, out, config)
+    else:
+        _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, config.block_m), config)
     return out.view(*x.shape[:-1], n)
 
 

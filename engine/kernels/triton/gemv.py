@@ -9,7 +9,9 @@ sums and the last split of a column block to arrive adds them up (``semaphores.a
 (rounded to the weight's dtype, as ``silu_and_mul`` then a GEMM would), so the activation
 never goes through memory. The dot runs in the weight's dtype: bf16 on tensor cores, float32
 exactly when either side is float32 (a bf16 x against a float32 router weight is upcast, never
-rounded): the dtype promotion of the reference's ``F.linear``.
+rounded): the dtype promotion of the reference's ``F.linear``. Up to ``FMA_MAX_ROWS`` rows a
+config may instead hold just the rows there are (``GemvConfig.fma``) and sum float32 FMAs along
+K: no padding rows, no operand staging for the tensor cores.
 
 Configs (``GemvConfig``) are chosen once per shape (``plan``): on CUDA by timing every candidate
 and cuBLAS (``F.linear``) on that shape in this process, the first time the shape is seen
@@ -31,24 +33,33 @@ from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 MAX_ROWS = 16
 
 
+FMA_MAX_ROWS = 4  # up to this many rows a tile may hold just the rows (``GemvConfig.fma``)
+
+
 class GemvConfig(NamedTuple):
+    """A launch shape: weight rows per program, columns per K step, K splits, warps; ``fma``: the
+    tile holds ``next_pow2(M)`` rows (at most ``FMA_MAX_ROWS``) whose products are float32 FMAs
+    summed along K, instead of 16 rows for ``tl.dot`` (at one row, 15 of them padding)."""
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
+    fma: bool = False
 
 
 CANDIDATES = [GemvConfig(16, 256, 1, 4), GemvConfig(32, 256, 1, 4), GemvConfig(16, 512, 1, 4),
               GemvConfig(64, 128, 1, 4), GemvConfig(16, 256, 2, 4), GemvConfig(16, 256, 4, 4),
-              GemvConfig(32, 128, 4, 4), GemvConfig(16, 128, 8, 4)]
+              GemvConfig(32, 128, 4, 4), GemvConfig(16, 128, 8, 4),
+              GemvConfig(16, 256, 2, 4, True), GemvConfig(16, 256, 4, 4, True), GemvConfig(32, 128, 4, 4, True),
+              GemvConfig(32, 256, 2, 8, True), GemvConfig(8, 512, 4, 4, True), GemvConfig(16, 128, 8, 4, True)]
 DEFAULT = CANDIDATES[0]
 CUBLAS = None  # a plan that keeps cuBLAS for its shape
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, x_stride, w_stride, out_stride,
-                 SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, FMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     block = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -70,7 +81,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, 
             x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
         else:
             x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-        if DOT_FP32:  # either operand float32: exact float32 products (a bf16 x is upcast, never rounded)
+        if FMA:  # float32 products (exact for bf16 and float32 operands), summed along K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif DOT_FP32:  # either operand float32: exact float32 products (a bf16 x is upcast, never rounded)
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x.to(w.dtype), tl.trans(w))
@@ -97,21 +110,23 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
            config: GemvConfig) -> torch.Tensor:
     """One launch of the GEMV with ``config`` (no plan consulted); a new ``[M, N]`` tensor."""
     rows, n_out, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
-    if rows > MAX_ROWS:
-        raise ValueError(f"decode_gemv: {rows} rows; the GEMV takes at most {MAX_ROWS}")
+    if rows > (FMA_MAX_ROWS if config.fma else MAX_ROWS):
+        raise ValueError(f"decode_gemv: {rows} rows; {config} takes at most "
+                         f"{FMA_MAX_ROWS if config.fma else MAX_ROWS}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("decode_gemv: x and weight need a contiguous last dim")
     dtype = x.dtype if x.dtype == weight.dtype else torch.float32  # promotion among bf16 / fp16 / fp32
     out = torch.empty(rows, n_out, dtype=dtype, device=x.device)
     blocks = cdiv(n_out, config.block_n)
+    block_m = triton.next_power_of_2(rows) if config.fma else MAX_ROWS
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
-        part = torch.empty(config.split_k, MAX_ROWS, n_out, dtype=torch.float32, device=x.device)
+        part = torch.empty(config.split_k, block_m, n_out, dtype=torch.float32, device=x.device)
     _gemv_kernel[(blocks, config.split_k)](
         x, weight, bias if bias is not None else weight, out, part, zeroed_counters(x.device, blocks),
         rows, n_out, k_dim, x.stride(0), weight.stride(0), out.stride(0),
         SILU_MUL=activation == "silu_mul", HAS_BIAS=bias is not None, DOT_FP32=dtype == torch.float32,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+        FMA=config.fma, BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=config.split_k, num_warps=config.num_warps)
     return out
 
@@ -143,7 +158,8 @@ def plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activ
     key = (x.device, x.shape[0], *weight.shape, x.dtype, weight.dtype, bias is not None, activation)
     return fastest(_PLANS, key, CUBLAS, lambda: {
         CUBLAS: lambda: reference.decode_gemv(x, weight, bias, activation),
-        **{config: lambda config=config: launch(x, weight, bias, activation, config) for config in CANDIDATES}})
+        **{config: lambda config=config: launch(x, weight, bias, activation, config) for config in CANDIDATES
+           if not config.fma or x.shape[0] <= FMA_MAX_ROWS}})
 
 
 def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,0 +1,115 @@
+"""FP8 decode GEMV: ``out = x W^T + bias`` for the few rows of a decode step (``M <=
+MAX_ROWS``), W e4m3 with its block (or per-row) scales, x quantized per token group of 128 in
+the kernel's prologue: the W8A8 function of ``engine.kernels.fp8.fp8_linear`` (contract there).
+
+Why not the GEMM of ``fp8.py`` with one tile of rows: it pads the rows to 16 for ``tl.dot`` and
+quantizes all 16 in every program at every K step, which at one row costs more instructions
+than streaming the weight. Here a tile holds ``next_pow2(M)`` rows and the products are
+float32 FMAs summed across the 128 columns of a group (``[rows, BLOCK_N, 128]``
+broadcast, then a row sum): the weight's bytes are the only large stream, read once.
+
+Program (column block, split) walks a run of whole 128-column groups of its ``BLOCK_N`` weight
+rows. Per group: the rows' 128 activations are quantized (``fp8_tiles.quantize_tile``: the scale is
+their max / 448, divided with round-to-nearest as the reference does), multiplied by the
+e4m3 weights (both exact in float32), summed, and the sum scaled by the activation scale of the
+row and the weight scale of the column block. With ``SPLIT_K`` > 1 each split stores its
+float32 partial sums and the last split of a column block to arrive adds them in split order,
+then the bias (``semaphores.arrive_last``: deterministic, no memset, CUDA-graph safe).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fp8 import GROUP, weight_block_rows
+from engine.kernels.triton.fp8_tiles import quantize_tile, store_out
+from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
+
+MAX_ROWS = 8  # beyond, the FMAs of a [rows, BLOCK_N, 128] tile outgrow the tensor cores of the GEMM
+_GROUP = tl.constexpr(GROUP)  # the K step: one activation group, one weight scale column
+
+
+class Fp8GemvConfig(NamedTuple):
+    """A launch shape of the GEMV: weight rows per program, K splits (runs of whole 128-column
+    groups), warps, pipeline stages. Four fields: never equal to a 5-field ``GemmConfig``."""
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Timed per shape against the GEMM's launch shapes (``fp8.decode_plan``); a tile of
+# rows x block_n x 128 float32 products must stay in registers, so wide tiles only at few rows.
+CANDIDATES = [Fp8GemvConfig(block_n, split_k, num_warps, 2) for block_n, split_k, num_warps in
+              [(16, 4, 4), (16, 8, 4), (16, 16, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8), (64, 8, 8), (16, 8, 8)]]
+DEFAULT = Fp8GemvConfig(16, 2, 4, 2)  # without CUDA (the interpreter): split, so that path is run
+
+
+def fits(config: Fp8GemvConfig, rows: int) -> bool:
+    """Whether ``config``'s tile of ``rows`` rows is small enough to be a candidate: at most 64
+    float32 products of a group per thread (``rows x block_n x 128`` over its warps' threads)."""
+    return rows <= MAX_ROWS and triton.next_power_of_2(rows) * config.block_n <= 16 * config.num_warps
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
+                     x_stride, w_stride, ws_stride, out_stride, SCALE_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * w_stride
+    ws_rows = ws_ptr + (cols // SCALE_BLOCK_N).to(tl.int64) * ws_stride
+    split_len = tl.cdiv(tl.cdiv(K, SPLIT_K), _GROUP) * _GROUP  # whole groups: splits meet on 128 columns
+    k_start = split * split_len
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(k_start, tl.minimum(k_start + split_len, K), _GROUP, num_stages=NUM_STAGES):
+        ks = k0 + tl.arange(0, _GROUP)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w_scale = tl.load(ws_rows + k0 // _GROUP, mask=col_ok, other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xq, x_scale = quantize_tile(x)
+        sums = tl.sum(xq.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)   # [BLOCK_M, BLOCK_N]
+        acc += sums * x_scale[:, None] * w_scale[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
+    if SPLIT_K > 1:
+        part_offsets = (split * BLOCK_M + rows[:, None]) * N + cols[None, :]
+        tl.store(part_ptr + part_offsets, acc, mask=out_mask)
+        if arrive_last(counters_ptr + block, SPLIT_K):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(part_ptr + (s * BLOCK_M + rows[:, None]) * N + cols[None, :], mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+            store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS)
+    else:
+        store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor, config: Fp8GemvConfig) -> None:
+    """One launch writing ``out [M, N]`` (x's dtype) from ``x [M <= MAX_ROWS, K]`` (unit last
+    stride, any row stride), e4m3 ``weight [N, K]``, ``weight_scale`` (see
+    ``fp8.weight_block_rows``) and ``bias [N]`` or None."""
+    rows, n = x.shape[0], weight.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"fp8 decode GEMV: {rows} rows; it takes at most {MAX_ROWS}")
+    block_m = triton.next_power_of_2(rows)
+    blocks = triton.cdiv(n, config.block_n)
+    part = out  # unused unless split: any pointer serves
+    if config.split_k > 1:
+        part = torch.empty(config.split_k, block_m, n, dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(blocks, config.split_k)](
+        x, weight, weight_scale, bias if bias is not None else out, out, part, zeroed_counters(x.device, blocks),
+        rows, n, weight.shape[1], x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        SCALE_BLOCK_N=weight_block_rows(weight, weight_scale), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, SPLIT_K=config.split_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Decode GEMVs on one H200 (issues 33 and 34), in sections, each skipped (with a line saying so)
+# when fewer than its estimated seconds are left of BUDGET_S (default 580). Two device calls:
+#
+#   bash scripts/gpu_decode.sh tests kernels fp8 summary     # correctness, per-linear timings, FP8 B=1
+#   bash scripts/gpu_decode.sh bf16 floors summary           # bf16 B=1 (cuBLAS, then the GEMV on), floors
+#
+#   tests    the cuda tests of the decode GEMVs (phase 01's bf16 GEMV, phase 12's FP8 kernels)
+#   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
+#            plan's choice among the GEMM's split-K shapes and the FP8 GEMV, TB/s of weight bytes);
+#            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS)
+#   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
+#   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default), then with
+#            AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
+#   floors   scripts/bench_floors.py: copy floor, cuBLAS matmul chain, prefill GEMM floor
+#   summary  the figures side by side; $OUT/benchmarks.json from the reports (record_benchmarks.py)
+source "$(dirname "$0")/gpu_common.sh"  # strict mode, wheels, $OUT, PYTHONPATH, fits, logged
+
+latency() {  # latency NAME EXTRA...: Qwen3-8B B=1 latency into $OUT/latency_NAME.json
+    local name=$1; shift
+    timeout 200 python3 -m engine bench latency --preset qwen3-8b --random-weights --max-model-len 4400 \
+        --prompt-lens 4096 --decode-tokens 256 "$@" --output "$OUT/latency_$name.json" > /dev/null \
+        2>> "$OUT/latency.log"
+    echo "$name latency rc=$? at $SECONDS s"
+}
+
+for section in ${*:-tests kernels fp8 summary}; do
+    case $section in
+    tests)
+        fits 150 tests || continue
+        timeout 140 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+            phases/01_numeric_primitives/test_decode_gemv.py phases/12_quantization/test_fp8_kernels.py \
+            > "$OUT/tests.log" 2>&1
+        echo "cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/tests.log")" ;;
+    kernels)
+        fits 260 kernels || continue
+        timeout 150 python3 scripts/bench_fp8.py gemm --rows 1 4 8 --json "$OUT/fp8_gemm.json" > /dev/null \
+            2> "$OUT/kernels.log"
+        echo "fp8 gemm rc=$? at $SECONDS s"
+        timeout 110 python3 scripts/bench_kernels.py --only gemv --json "$OUT/gemv.json" > "$OUT/gemv.txt" \
+            2>> "$OUT/kernels.log"
+        echo "bf16 gemv rc=$? at $SECONDS s" ;;
+    fp8)
+        fits 200 fp8 || continue
+        latency qwen3_8b_fp8 --quantization fp8 ;;
+    bf16)
+        fits 330 bf16 || continue
+        latency qwen3_8b_bf16
+        AGENT_INFER_DECODE_GEMV=1 latency qwen3_8b_bf16_gemv ;;
+    floors)
+        fits 120 floors || continue
+        timeout 110 python3 scripts/bench_floors.py --json "$OUT/floors.json" > /dev/null 2> "$OUT/floors.log"
+        echo "floors rc=$? at $SECONDS s" ;;
+    summary)
+        python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+def load(name):
+    path = out / name
+    return json.loads(path.read_text()) if path.exists() else None
+gemm = load("fp8_gemm.json")
+if gemm:
+    print(f"{'linear N x K':>14} {'M':>2} {'bf16 us':>8} {'fp8 us':>8} {'fp8 TB/s':>8}  fp8 plan")
+    for r in gemm["gemm"]:
+        print(f"{r['n']:>6} x {r['k']:<6} {r['m']:>2} {r['bf16_us']:8.1f} {r['fp8_triton_us']:8.1f} "
+              f"{r.get('fp8_triton_tb_s', float('nan')):8.2f}  {r.get('fp8_triton_config')}")
+gemv = load("gemv.json")
+if gemv:
+    for r in gemv["results"]:
+        print(f"bf16 gemv {r['shape']:34} ours {r['ours_us']:7.1f} us  cuBLAS {r.get('cublas_us', float('nan')):7.1f} us  "
+              f"best {r.get('best_config')}")
+for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8"):
+    r = load(f"latency_{name}.json")
+    if r:
+        print(f"{name:22} decode {r['decode']['tok_s']:7.1f} tok/s   TTFT 4096 {r['ttft'][0]['ms']:7.1f} ms")
+floors = load("floors.json")
+if floors:
+    print("floors", json.dumps({k: floors[k] for k in ("copy_floor_tok_s", "matmul_chain_tok_s",
+                                                       "prefill_gemm_tok_s") if k in floors}))
+PY
+        reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/floors.json 2>/dev/null)
+        cp benchmarks.json "$OUT/benchmarks.json"
+        [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
+            > /dev/null 2>> "$OUT/latency.log" ;;
+    *) echo "unknown section $section (tests, kernels, fp8, bf16, floors, summary)"; exit 2 ;;
+    esac
+done
