@@ -16,7 +16,8 @@ tile of just the rows there are, no padding to 16) is a candidate too. The launc
 per shape on CUDA among ``DECODE_CANDIDATES`` (the unsplit GEMM included) and the GEMV's
 (``decode_plan``, ``gemv.fastest``).
 
-Experts: assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
+Experts: up to ``fp8_gemv.MAX_ROWS`` tokens the GEMV takes them, one program per assignment reading
+its expert in place; beyond, assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
 (each expert's rows padded to a whole tile; ``_group_by_expert``), so a program reads one
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
 come from host shapes only: no host sync, CUDA-graph safe.
@@ -245,7 +246,12 @@ def _group_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -
 
 def fp8_expert_linear(x: torch.Tensor, weights: torch.Tensor, weight_scales: torch.Tensor,
                       expert_ids: torch.Tensor) -> torch.Tensor:
+    """See ``engine.kernels.fp8.fp8_expert_linear``: up to ``fp8_gemv.MAX_ROWS`` tokens (decode)
+    the GEMV reads each assignment's expert in place (``fp8_gemv.expert_launch``); beyond, the
+    GEMM over assignments grouped by expert."""
     tokens, per_token = expert_ids.shape
+    if tokens <= fp8_gemv.MAX_ROWS:
+        return fp8_gemv.expert_launch(x, weights, weight_scales, expert_ids)
     n = weights.shape[1]
     block_m = 16 if tokens * per_token <= 64 else 64
     rows, tile_expert = _group_by_expert(expert_ids, weights.shape[0], block_m)

@@ -15,6 +15,10 @@ e4m3 weights (both exact in float32), summed, and the sum scaled by the activati
 row and the weight scale of the column block. With ``SPLIT_K`` > 1 each split stores its
 float32 partial sums and the last split of a column block to arrive adds them in split order,
 then the bias (``semaphores.arrive_last``: deterministic, no memset, CUDA-graph safe).
+
+Routed experts of a few tokens (``expert_launch``): the same kernel with a third program axis,
+one (token, expert) assignment per program, its expert's weights and scales read in place
+(expert id from the device, -1 a zero row reading no weights): CUDA-graph safe, no grouping.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class Fp8GemvConfig(NamedTuple):
 CANDIDATES = [Fp8GemvConfig(block_n, split_k, num_warps, 2) for block_n, split_k, num_warps in
               [(16, 4, 4), (16, 8, 4), (16, 16, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8), (64, 8, 8), (16, 8, 8)]]
 DEFAULT = Fp8GemvConfig(16, 2, 4, 2)  # without CUDA (the interpreter): split, so that path is run
+EXPERT_CONFIG = Fp8GemvConfig(32, 1, 4, 2)  # expert_launch: one program per assignment and 32 columns
 
 
 def fits(config: Fp8GemvConfig, rows: int) -> bool:
@@ -55,18 +60,27 @@ def fits(config: Fp8GemvConfig, rows: int) -> bool:
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K,
-                     x_stride, w_stride, ws_stride, out_stride, SCALE_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, ids_ptr, M, N, K,
+                     experts_per_row, x_stride, w_stride_e, w_stride, ws_stride_e, ws_stride, out_stride,
+                     SCALE_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     block = tl.program_id(0)
     split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * w_stride
-    ws_rows = ws_ptr + (cols // SCALE_BLOCK_N).to(tl.int64) * ws_stride
+    col_ok = cols < N
+    if GATHER:  # program axis 2: one (token, expert) assignment, a row of x times its expert's weights
+        assignment = tl.program_id(2).to(tl.int64)
+        expert = tl.load(ids_ptr + assignment).to(tl.int64)
+        col_ok = col_ok & (expert >= 0)  # id -1 (another rank's expert): a zero row, no weights read
+        expert = tl.maximum(expert, 0)
+        x_first, out_first = assignment // experts_per_row, assignment
+    else:
+        expert, x_first, out_first = 0, 0, 0
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + (x_first + rows[:, None]).to(tl.int64) * x_stride
+    w_rows = w_ptr + expert * w_stride_e + cols[:, None].to(tl.int64) * w_stride
+    ws_rows = ws_ptr + expert * ws_stride_e + (cols // SCALE_BLOCK_N).to(tl.int64) * ws_stride
     split_len = tl.cdiv(tl.cdiv(K, SPLIT_K), _GROUP) * _GROUP  # whole groups: splits meet on 128 columns
     k_start = split * split_len
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -79,9 +93,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters
         xq, x_scale = quantize_tile(x)
         sums = tl.sum(xq.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)   # [BLOCK_M, BLOCK_N]
         acc += sums * x_scale[:, None] * w_scale[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    if SPLIT_K > 1:
+    out_mask = row_ok[:, None] & (cols < N)[None, :]  # a -1 assignment's zeros are stored too
+    out_ptrs = out_ptr + (out_first + rows[:, None]).to(tl.int64) * out_stride + cols[None, :]
+    if SPLIT_K > 1:  # plain rows only (GATHER launches one split)
         part_offsets = (split * BLOCK_M + rows[:, None]) * N + cols[None, :]
         tl.store(part_ptr + part_offsets, acc, mask=out_mask)
         if arrive_last(counters_ptr + block, SPLIT_K):
@@ -107,9 +121,26 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
         part = torch.empty(config.split_k, block_m, n, dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(blocks, config.split_k)](
+    _fp8_gemv_kernel[(blocks, config.split_k, 1)](
         x, weight, weight_scale, bias if bias is not None else out, out, part, zeroed_counters(x.device, blocks),
-        rows, n, weight.shape[1], x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
-        SCALE_BLOCK_N=weight_block_rows(weight, weight_scale), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, SPLIT_K=config.split_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+        out, rows, n, weight.shape[1], 1, x.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0),
+        out.stride(0), SCALE_BLOCK_N=weight_block_rows(weight, weight_scale), HAS_BIAS=bias is not None,
+        GATHER=False, BLOCK_M=block_m, BLOCK_N=config.block_n, SPLIT_K=config.split_k,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps)
 
+
+def expert_launch(x: torch.Tensor, weights: torch.Tensor, weight_scales: torch.Tensor,
+                  expert_ids: torch.Tensor) -> torch.Tensor:
+    """``out[t, j] = W[expert_ids[t, j]] @ x[t]`` (the contract of ``fp8.fp8_expert_linear``) for a
+    few tokens: one program per (assignment, column block) reads its expert's weights in place
+    (no grouping by expert, no padding of rows); a new ``[T, J, N]`` tensor in x's dtype."""
+    tokens, per_token = expert_ids.shape
+    n = weights.shape[1]
+    out = torch.empty(tokens, per_token, n, dtype=x.dtype, device=x.device)
+    config = EXPERT_CONFIG
+    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), 1, tokens * per_token)](
+        x, weights, weight_scales, out, out, out, out, expert_ids.contiguous(), 1, n, weights.shape[2], per_token,
+        x.stride(0), weights.stride(0), weights.stride(1), weight_scales.stride(0), weight_scales.stride(1),
+        out.stride(1), SCALE_BLOCK_N=weight_block_rows(weights, weight_scales), HAS_BIAS=False, GATHER=True,
+        BLOCK_M=1, BLOCK_N=config.block_n, SPLIT_K=1, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+    return out
