@@ -3,7 +3,7 @@
 # when fewer than its estimated seconds are left of BUDGET_S (default 580). Two device calls:
 #
 #   bash scripts/gpu_decode.sh tests kernels fp8 summary     # correctness, per-linear timings, FP8 B=1
-#   bash scripts/gpu_decode.sh bf16 floors summary           # bf16 B=1 (cuBLAS, then the GEMV on), floors
+#   bash scripts/gpu_decode.sh bf16 v2lite floors summary    # bf16 B=1 (cuBLAS, then the GEMV on), V2-Lite, floors
 #
 #   tests    the cuda tests of the decode GEMVs (phase 01's bf16 GEMV, phase 12's FP8 kernels)
 #   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
@@ -12,6 +12,7 @@
 #   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
 #   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default), then with
 #            AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
+#   v2lite   DeepSeek-V2-Lite random, bf16 then online FP8: B=1 decode with graphs (the FP8 expert GEMV)
 #   floors   scripts/bench_floors.py: copy floor, cuBLAS matmul chain, prefill GEMM floor
 #   summary  the figures side by side; $OUT/benchmarks.json from the reports (record_benchmarks.py)
 source "$(dirname "$0")/gpu_common.sh"  # strict mode, wheels, $OUT, PYTHONPATH, fits, logged
@@ -47,6 +48,15 @@ for section in ${*:-tests kernels fp8 summary}; do
         fits 330 bf16 || continue
         latency qwen3_8b_bf16
         AGENT_INFER_DECODE_GEMV=1 latency qwen3_8b_bf16_gemv ;;
+    v2lite)
+        fits 260 v2lite || continue
+        for q in bf16 fp8; do
+            extra=(); [ $q = fp8 ] && extra=(--quantization fp8)
+            timeout 130 python3 -m engine bench latency --preset deepseek-v2-lite --random-weights \
+                --max-model-len 2048 --prompt-lens 128 --decode-tokens 128 "${extra[@]}" \
+                --output "$OUT/latency_dsv2_lite_$q.json" > /dev/null 2>> "$OUT/latency.log"
+            echo "dsv2_lite $q latency rc=$? at $SECONDS s"
+        done ;;
     floors)
         fits 120 floors || continue
         timeout 110 python3 scripts/bench_floors.py --json "$OUT/floors.json" > /dev/null 2> "$OUT/floors.log"
@@ -69,7 +79,7 @@ if gemv:
     for r in gemv["results"]:
         print(f"bf16 gemv {r['shape']:34} ours {r['ours_us']:7.1f} us  cuBLAS {r.get('cublas_us', float('nan')):7.1f} us  "
               f"best {r.get('best_config')}")
-for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8"):
+for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_bf16", "dsv2_lite_fp8"):
     r = load(f"latency_{name}.json")
     if r:
         print(f"{name:22} decode {r['decode']['tok_s']:7.1f} tok/s   TTFT 4096 {r['ttft'][0]['ms']:7.1f} ms")
@@ -78,10 +88,11 @@ if floors:
     print("floors", json.dumps({k: floors[k] for k in ("copy_floor_tok_s", "matmul_chain_tok_s",
                                                        "prefill_gemm_tok_s") if k in floors}))
 PY
-        reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/floors.json 2>/dev/null)
+        reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/latency_dsv2_lite_*.json \
+            "$OUT"/floors.json 2>/dev/null)
         cp benchmarks.json "$OUT/benchmarks.json"
         [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
             > /dev/null 2>> "$OUT/latency.log" ;;
-    *) echo "unknown section $section (tests, kernels, fp8, bf16, floors, summary)"; exit 2 ;;
+    *) echo "unknown section $section (tests, kernels, fp8, bf16, v2lite, floors, summary)"; exit 2 ;;
     esac
 done
