@@ -48,15 +48,20 @@ class ModelSettings:
     quantization: str | None
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's names
+
+
 @dataclass(frozen=True)
 class CacheSettings:
-    """The paged KV cache: ``block_size`` tokens per block; the pool takes at most
+    """The paged KV cache: ``block_size`` tokens per block, in ``dtype`` (None: the model's; e4m3 for
+    ``--kv-cache-dtype fp8``, see ``kernels.store_kv_cache``); the pool takes at most
     ``mem_utilization`` of the device memory free after loading, less ``reserve_bytes`` kept for
     activations (its size is planned by the runner from the workload, ``kv_cache.plan_num_blocks``);
     ``enable_prefix_caching`` (off for the hf backend: each sequence runs its whole prompt in
     transformers' own cache)."""
 
     block_size: int
+    dtype: torch.dtype | None
     mem_utilization: float
     reserve_bytes: int
     enable_prefix_caching: bool
@@ -141,6 +146,17 @@ def model_class_for(config: ModelConfig, backend: str) -> type | None:
     return known if known is not None and issubclass(known, forced) else forced
 
 
+def _kv_cache_dtype(name: str, ours: bool) -> torch.dtype | None:
+    """The KV cache dtype of ``--kv-cache-dtype name`` (None: the model's); an unknown name, or
+    FP8 for transformers' own model (the hf backend keeps its own cache), is a ValueError."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if KV_CACHE_DTYPES[name] is not None and not ours:
+        raise ValueError(f"kv_cache_dtype={name} needs one of our model classes; the hf backend keeps "
+                         "transformers' own cache")
+    return KV_CACHE_DTYPES[name]
+
+
 def resolve(args: EngineArgs) -> EngineConfig:
     """``args`` with every default decided and every value checked."""
     model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
@@ -167,7 +183,8 @@ def resolve(args: EngineArgs) -> EngineConfig:
     return EngineConfig(
         ModelSettings(model_dir, config, args.backend, model_class, dtype or default_dtype(config, device),
                       args.quantization),
-        CacheSettings(args.block_size, args.mem_utilization, args.reserve_bytes, args.enable_prefix_caching and ours),
+        CacheSettings(args.block_size, _kv_cache_dtype(args.kv_cache_dtype, ours), args.mem_utilization,
+                      args.reserve_bytes, args.enable_prefix_caching and ours),
         SchedulerSettings(max_num_seqs, max(args.max_num_batched_tokens, max_num_seqs), max_model_len, args.admission,
                           args.overlap and ours and speculative.method is None),
         ParallelSettings(device, device.type == "cuda" and not args.enforce_eager, args.custom_all_reduce),

@@ -142,7 +142,7 @@ class LLMEngine:
         return ModelRunner(self.model_dir, self.config, self.device, self.dtype, self.tp, cache.block_size,
                            sched.max_num_seqs, sched.max_model_len, cache.mem_utilization, cache.reserve_bytes,
                            c.progress, c.parallel.cuda_graphs, c.model.model_class, self.eos_token_ids,
-                           max_draft_tokens)
+                           max_draft_tokens, cache.dtype)
 
     def summary(self) -> str:
         """One line: the config's choices and what loading made of them."""
@@ -159,7 +159,8 @@ class LLMEngine:
         return (f"agent-infer: {self.config.architecture} ({runner}) from {c.model.model_dir} | {c.model.dtype} on "
                 f"{c.parallel.device} | {steps} | tp {self.tp.size}{tp_detail} | "
                 f"weights {r.weight_bytes / 2**30:.2f} GiB per rank | "
-                f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB | "
+                f"KV cache {r.num_blocks} blocks = {kv_tokens} tokens = {r.kv_cache_bytes / 2**30:.2f} GiB"
+                f"{'' if c.cache.dtype is None else f' in {c.cache.dtype}'} | "
                 f"max_model_len {c.scheduler.max_model_len} | loaded in {r.load_seconds:.1f} s")
 
     # ---- requests ------------------------------------------------------------------------------

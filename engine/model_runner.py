@@ -133,7 +133,8 @@ class ModelRunner:
     ``device`` in ``dtype``, loads ``model_dir``'s weights
     (this rank's shards), then sizes the KV pool once from what memory is left
     (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
-    ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it.
+    ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it, in
+    ``kv_cache_dtype`` (None: ``dtype``; e4m3 for an FP8 KV cache).
 
     ``launch(batch, previous) -> LaunchedStep``: one token per batch entry and per drafted token,
     queued (from any thread: the runner makes its device current); ``prepare(batch, previous) ->
@@ -147,7 +148,7 @@ class ModelRunner:
                  tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
                  cuda_graphs: bool = False, model_class: type[nn.Module] | None = None, eos_token_ids=frozenset(),
-                 max_draft_tokens: int = 0):
+                 max_draft_tokens: int = 0, kv_cache_dtype: torch.dtype | None = None):
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
@@ -161,10 +162,11 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - reserve_bytes)
-        num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, dtype), block_size, max_num_seqs, max_model_len,
-                                     free_bytes, mem_utilization)
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, self.kv_cache_dtype), block_size, max_num_seqs,
+                                     max_model_len, free_bytes, mem_utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
-        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, dtype, device)
+        self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, self.kv_cache_dtype, device)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         # A running sequence holds a table row until it is released, which for a finished one waits

@@ -2,16 +2,17 @@
 # Decode GEMVs on one H200 (issues 33 and 34), in sections, each skipped (with a line saying so)
 # when fewer than its estimated seconds are left of BUDGET_S (default 580). Two device calls:
 #
-#   bash scripts/gpu_decode.sh tests kernels fp8 summary     # correctness, per-linear timings, FP8 B=1
-#   bash scripts/gpu_decode.sh bf16 v2lite floors summary    # bf16 B=1 (cuBLAS, then the GEMV on), V2-Lite, floors
+#   bash scripts/gpu_decode.sh tests kernels fp8 bf16 summary    # correctness, per-linear timings, B=1 FP8 and bf16
+#   bash scripts/gpu_decode.sh throughput v2lite floors summary  # FP8 KV cache throughput, V2-Lite, floors
 #
-#   tests    the cuda tests of the decode GEMVs (phase 01's bf16 GEMV, phase 12's FP8 kernels)
+#   tests    the cuda tests of the decode GEMVs and the FP8 KV cache (phase 01's kernels, phase 12's FP8 kernels)
 #   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
 #            plan's choice among the GEMM's split-K shapes and the FP8 GEMV, TB/s of weight bytes);
 #            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS)
 #   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
-#   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default), then with
-#            AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
+#   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default)
+#   bf16gemv the same with AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
+#   throughput  Qwen3-8B random, offline throughput (nano-vllm shape), bf16 cache then --kv-cache-dtype fp8
 #   v2lite   DeepSeek-V2-Lite random, bf16 then online FP8: B=1 decode with graphs (the FP8 expert GEMV)
 #   floors   scripts/bench_floors.py: copy floor, cuBLAS matmul chain, prefill GEMM floor
 #   summary  the figures side by side; $OUT/benchmarks.json from the reports (record_benchmarks.py)
@@ -25,12 +26,13 @@ latency() {  # latency NAME EXTRA...: Qwen3-8B B=1 latency into $OUT/latency_NAM
     echo "$name latency rc=$? at $SECONDS s"
 }
 
-for section in ${*:-tests kernels fp8 summary}; do
+for section in ${*:-tests kernels fp8 bf16 summary}; do
     case $section in
     tests)
         fits 150 tests || continue
         timeout 140 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
-            phases/01_numeric_primitives/test_decode_gemv.py phases/12_quantization/test_fp8_kernels.py \
+            phases/01_numeric_primitives/test_decode_gemv.py phases/01_numeric_primitives/test_fp8_kv_cache.py \
+            phases/12_quantization/test_fp8_kernels.py \
             > "$OUT/tests.log" 2>&1
         echo "cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/tests.log")" ;;
     kernels)
@@ -45,9 +47,18 @@ for section in ${*:-tests kernels fp8 summary}; do
         fits 200 fp8 || continue
         latency qwen3_8b_fp8 --quantization fp8 ;;
     bf16)
-        fits 330 bf16 || continue
-        latency qwen3_8b_bf16
+        fits 160 bf16 || continue
+        latency qwen3_8b_bf16 ;;
+    bf16gemv)
+        fits 160 bf16gemv || continue
         AGENT_INFER_DECODE_GEMV=1 latency qwen3_8b_bf16_gemv ;;
+    throughput)
+        fits 330 throughput || continue
+        for kv in auto fp8; do
+            timeout 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights --kv-cache-dtype $kv \
+                --output "$OUT/throughput_qwen3_8b_$kv.json" > /dev/null 2>> "$OUT/throughput.log"
+            echo "qwen3 throughput kv $kv rc=$? at $SECONDS s"
+        done ;;
     v2lite)
         fits 260 v2lite || continue
         for q in bf16 fp8; do
@@ -83,16 +94,21 @@ for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_b
     r = load(f"latency_{name}.json")
     if r:
         print(f"{name:22} decode {r['decode']['tok_s']:7.1f} tok/s   TTFT 4096 {r['ttft'][0]['ms']:7.1f} ms")
+for kv in ("auto", "fp8"):
+    r = load(f"throughput_qwen3_8b_{kv}.json")
+    if r:
+        print(f"throughput kv {kv:5} {r['throughput']['output_tok_s']:8.1f} out tok/s")
 floors = load("floors.json")
 if floors:
     print("floors", json.dumps({k: floors[k] for k in ("copy_floor_tok_s", "matmul_chain_tok_s",
                                                        "prefill_gemm_tok_s") if k in floors}))
 PY
         reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/latency_dsv2_lite_*.json \
-            "$OUT"/floors.json 2>/dev/null)
+            "$OUT"/throughput_qwen3_8b_*.json "$OUT"/floors.json 2>/dev/null)
         cp benchmarks.json "$OUT/benchmarks.json"
         [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
             > /dev/null 2>> "$OUT/latency.log" ;;
-    *) echo "unknown section $section (tests, kernels, fp8, bf16, v2lite, floors, summary)"; exit 2 ;;
+    *) echo "unknown section $section (tests, kernels, fp8, bf16, bf16gemv, throughput, v2lite, floors, summary)"
+       exit 2 ;;
     esac
 done

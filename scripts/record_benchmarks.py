@@ -15,7 +15,8 @@ CPU are refused (benchmarks.json holds GPU figures), but for the figures no devi
 Names: ``<model>_b1_graphs_tok_s`` / ``_b1_eager_tok_s`` (B=1 decode), ``<model>_prefill_<N>_tok_s``
 (one N-token prompt: N / TTFT), ``<model>_matmul_chain_tok_s`` (the cuBLAS floor),
 ``<model>_throughput_out_tok_s`` and ``_throughput_gpu_busy_pct`` (nano-vllm's shape only: 256
-sequences, lengths 100-1024; busy = NVML utilisation, mean over the run), with ``<model>`` the
+sequences, lengths 100-1024; busy = NVML utilisation, mean over the run; ``_throughput_fp8kv_...``
+and ``_b1_graphs_fp8kv_...`` with an FP8 KV cache), with ``<model>`` the
 preset: ``qwen3_8b``, ``dsv2_lite``, ... and ``_fp8`` after it for an FP8 run
 (``qwen3_8b_fp8_b1_graphs_tok_s``); a run with synchronous steps (``--no-overlap``, the peer of
 the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_graphs_no_overlap_tok_s``);
@@ -98,14 +99,19 @@ def _variant(report: dict) -> tuple[str, str]:
     return model_name(_preset(report)) + quantized, "" if settings.get("overlap", True) else "_no_overlap"
 
 
+def _kv(report: dict) -> str:
+    """``_fp8kv`` for a run with an FP8 KV cache (``--kv-cache-dtype fp8``), else ""."""
+    return "" if report["settings"].get("kv_cache_dtype", "auto") == "auto" else "_fp8kv"
+
+
 def _latency(report: dict) -> dict:
     model, steps = _variant(report)
-    mode = "eager" if report["settings"]["enforce_eager"] else "graphs"
+    mode = ("eager" if report["settings"]["enforce_eager"] else "graphs") + _kv(report)
     peer = {f"transformers_{name}_tok_s": run["tok_s"] for name, run in report.get("compare_hf", {}).items()
             if isinstance(run, dict) and "tok_s" in run}
     figures = {f"{model}_b1_{mode}{steps}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
     for ttft in report["ttft"]:
-        figures[f"{model}_prefill_{ttft['prompt_len']}{steps}_tok_s"] = _figure(
+        figures[f"{model}_prefill_{ttft['prompt_len']}{_kv(report)}{steps}_tok_s"] = _figure(
             ttft["prompt_len"] / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={ttft['prompt_len']}]: prompt_len / ms")
     return figures
 
@@ -116,13 +122,13 @@ def _throughput(report: dict) -> dict:
         raise ValueError(f"throughput names are for nano-vllm's shape {NANO_VLLM_SHAPE}; this run is {shape}")
     model, steps = _variant(report)
     peer = report.get("compare_hf", {}).get("ratios", {})
-    figures = {f"{model}_throughput_out{steps}_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
+    figures = {f"{model}_throughput{_kv(report)}_out{steps}_tok_s": _figure(report["throughput"]["output_tok_s"], "tok/s",
                                                                "throughput.output_tok_s", peer)}
     monitor = report.get("gpu_monitor", {})
     timed = monitor.get("timed_run", {}).get("devices")  # the timed run alone, without load and warm-up
     devices, source = (timed, "gpu_monitor.timed_run") if timed else (monitor.get("devices"), "gpu_monitor")
     if devices:
-        figures[f"{model}_throughput_gpu_busy{steps}_pct"] = _figure(devices[0]["util_pct_mean"], "%",
+        figures[f"{model}_throughput{_kv(report)}_gpu_busy{steps}_pct"] = _figure(devices[0]["util_pct_mean"], "%",
                                                                      f"{source}.devices[0].util_pct_mean (NVML)")
     return figures
 

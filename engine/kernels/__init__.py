@@ -23,6 +23,8 @@ __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_
            "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
            "qk_norm_rope_store", "decode_gemv"]
 
+FP8_DTYPE = torch.float8_e4m3fn  # e4m3: FP8 weights (phase 12) and an FP8 KV cache
+FP8_MAX = 448.0                  # its largest finite value: every cast to it saturates there, never NaN
 ENV_VAR = "AGENT_INFER_KERNELS"
 DECODE_GEMV_ENV = "AGENT_INFER_DECODE_GEMV"  # "1": linear layers take decode_gemv for a decode step's rows
 DECODE_GEMV_MAX_ROWS = 8
@@ -130,7 +132,9 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch
                    v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
     """Write row ``i`` of ``key [T, Hk, D]`` / ``value [T, Hk, Dv]`` to flat slot ``slot_mapping[i]``
     (int64; slot = block * block_size + offset) of ``k_cache [num_blocks, block_size, Hk, D]`` /
-    ``v_cache``; slot -1 is skipped. ``value`` and ``v_cache`` are both None for MLA's single cache."""
+    ``v_cache``; slot -1 is skipped. ``value`` and ``v_cache`` are both None for MLA's single cache.
+    The caches hold the rows' dtype, or ``FP8_DTYPE`` (an FP8 KV cache: each value clamped to
+    ±``FP8_MAX`` and rounded to e4m3, scale 1; the attention ops upcast it as they read)."""
     _require((value is None) == (v_cache is None),
              lambda: "store_kv_cache: value and v_cache must both be given or both None")
     _require(key.shape[0] == slot_mapping.shape[0],

@@ -22,12 +22,11 @@ from types import ModuleType
 import torch
 
 from engine import kernels
+from engine.kernels import FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_per_token_group", "fp8_linear", "fp8_expert_linear", "weight_block_rows", "dequantize_weight",
            "quantize_weight"]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 GROUP = 128          # activation group and weight block along K; weight block along N (block-wise scales)
 SCALE_FLOOR = 1e-10  # an all-zero group gets scale SCALE_FLOOR / 448, never 0
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import FP8_DTYPE, FP8_MAX
+
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     x = input.float()
@@ -47,7 +49,8 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch
     pairs = [(key, k_cache)] if value is None else [(key, k_cache), (value, v_cache)]
     for src, cache in pairs:
         flat = cache.view(-1, *cache.shape[2:])
-        flat[slots] = src.view(src.shape[0], *cache.shape[2:])[keep]
+        rows = src.view(src.shape[0], *cache.shape[2:])[keep]
+        flat[slots] = rows.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype) if cache.dtype == FP8_DTYPE else rows
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -4,7 +4,7 @@ Opt-in (``AGENT_INFER_KERNELS=vllm``; both packages must import). ``expert_gemv`
 ``qk_norm_rope_store`` and ``decode_gemv`` have no vllm counterpart here and are Triton's. Cases those libraries do not
 cover use the Triton kernels instead: MLA's single latent cache (``value`` /
 ``v_cache`` None), value head dims that differ from the query's, paged
-blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum), and an
+blocks that are not a multiple of 256 (flash_attn_with_kvcache's minimum), an FP8 KV cache, and an
 ``rms_norm`` whose ``out`` is strided or is its input (MLA's in-place latent norm).
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
-    if value is None:
+    if value is None or k_cache.dtype != key.dtype:  # MLA's latent, an FP8 cache: Triton's
         triton_ops.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
     scale = _unit_scale(key.device)
@@ -77,7 +77,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
-    if v_cache is None or q_rope is not None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE:
+    if v_cache is None or q_rope is not None or k_cache.shape[1] % _FLASH_PAGE_MULTIPLE or k_cache.dtype != q.dtype:
         return triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, softmax_scale,
                                                  v_head_dim, q_rope)
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,

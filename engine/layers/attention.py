@@ -42,9 +42,9 @@ class Attention(nn.Module):
         if not ctx.has_prefill:
             return self._decode(q, ctx)
         d = ctx.num_decode_tokens
-        if ctx.prefill_kv_slots is not None:
-            k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
-            v = self.v_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+        if ctx.prefill_kv_slots is not None:  # every context token's K/V from the cache (in q's dtype)
+            k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots).to(q.dtype)
+            v = self.v_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots).to(q.dtype)
         else:
             k, v = k[d:], v[d:]
         prefill = kernels.varlen_attention(q[d:], k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k,

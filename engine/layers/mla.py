@@ -91,7 +91,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, latent: torch.Tensor, ctx) -> torch.Tensor:
         if ctx.prefill_kv_slots is not None:  # a cached prefix: every context token's latent from the cache
-            latent = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots)
+            latent = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots).to(q.dtype)
         kv_c, k_pe = latent[:, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(kv_c).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

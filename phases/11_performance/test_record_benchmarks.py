@@ -58,13 +58,15 @@ def test_a_latency_report_maps_to_named_figures_with_a_command_that_reproduces_i
 
 def test_fp8_and_overlapped_runs_have_their_own_names(latency_report):
     """The default (overlapped) bf16 run owns the headline names; an FP8 run adds ``_fp8`` after the
-    model, so neither replaces the other's figures."""
+    model, an FP8 KV cache ``_fp8kv`` after the mode, so none replaces another's figures."""
     _, report = latency_report
-    variants = {"bf16": {"overlap": True}, "fp8": {"overlap": True, "quantization": "fp8"}}
+    variants = {"bf16": {"overlap": True}, "fp8": {"overlap": True, "quantization": "fp8"},
+                "fp8kv": {"overlap": True, "kv_cache_dtype": "fp8"}}
     names = {kind: sorted(record_benchmarks.figures_of(
         {**report, "command": "c", "settings": {**report["settings"], **change}})) for kind, change in variants.items()}
     assert names == {"bf16": ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s"],
-                     "fp8": ["tiny_qwen3_fp8_b1_eager_tok_s", "tiny_qwen3_fp8_prefill_16_tok_s"]}
+                     "fp8": ["tiny_qwen3_fp8_b1_eager_tok_s", "tiny_qwen3_fp8_prefill_16_tok_s"],
+                     "fp8kv": ["tiny_qwen3_b1_eager_fp8kv_tok_s", "tiny_qwen3_prefill_16_fp8kv_tok_s"]}
 
 
 def test_cpu_reports_are_refused_and_nothing_is_written(latency_report, tmp_path):

@@ -25,15 +25,16 @@ def head_dim_blocks(head_dim: int) -> tuple[int, int]:
 @triton.jit
 def scores_tile(q_main, q_tail, k_ptr, row_offsets, row_mask, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_TAIL: tl.constexpr):
-    """``q @ k.T`` for one key tile; returns (scores [M, N] fp32, the key tile's main block)."""
+    """``q @ k.T`` for one key tile; returns (scores [M, N] fp32, the key tile's main block in q's
+    dtype: an FP8 cache's keys are upcast as they load)."""
     d = tl.arange(0, BLOCK_D)
     k_main = tl.load(k_ptr + row_offsets[:, None] + d[None, :], mask=row_mask[:, None] & (d < HEAD_DIM)[None, :],
-                     other=0.0)
+                     other=0.0).to(q_main.dtype)
     scores = tl.dot(q_main, tl.trans(k_main))
     if BLOCK_TAIL > 0:
         d_tail = BLOCK_D + tl.arange(0, BLOCK_TAIL)
         k_tail = tl.load(k_ptr + row_offsets[:, None] + d_tail[None, :],
-                         mask=row_mask[:, None] & (d_tail < HEAD_DIM)[None, :], other=0.0)
+                         mask=row_mask[:, None] & (d_tail < HEAD_DIM)[None, :], other=0.0).to(q_tail.dtype)
         scores += tl.dot(q_tail, tl.trans(k_tail))
     return scores, k_main
 

@@ -83,7 +83,8 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
             v = k_main
         else:
             v_rows = blocks * v_stride0 + (tokens % PAGE) * v_stride1 + kv_head * v_stride2
-            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :], other=0.0)
+            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :],
+                        other=0.0).to(q_main.dtype)  # an FP8 cache's values upcast as they load
         m, denom, acc = online_softmax_step(scores, valid[None, :], m, denom, acc, v, scale_log2)
 
     part = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # no token (context 0): acc is 0, the row is 0

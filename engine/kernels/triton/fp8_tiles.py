@@ -1,26 +1,16 @@
-"""Tile helpers shared by the FP8 Triton kernels (``fp8.py``'s GEMM, ``fp8_gemv.py``): the
-saturating e4m3 cast, per-row group quantization of an activation tile, and the epilogue that
-adds a bias and stores in the output's dtype."""
+"""Tile helpers shared by the FP8 Triton kernels (``fp8.py``'s GEMM, ``fp8_gemv.py``): per-row
+group quantization of an activation tile (through ``fp8_cast.saturate_to_fp8``), and the
+epilogue that adds a bias and stores in the output's dtype."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_MAX, SCALE_FLOOR
+from engine.kernels.triton.fp8_cast import saturate_to_fp8
 
 _MAX = tl.constexpr(FP8_MAX)
 _FLOOR = tl.constexpr(SCALE_FLOOR)
-
-
-@triton.jit
-def saturate_to_fp8(v):
-    """e4m3 of float32 ``v``: clamped to ±448 (saturated, never NaN), then rounded to 3 mantissa
-    bits (nearest, ties to even) in its float32 bits, where a carry reaches the exponent, so the
-    cast itself is exact (Triton's interpreter loses the carry of a rounding that crosses a
-    power of two, and turns values past the e4m3 range into NaN)."""
-    bits = tl.clamp(v, -_MAX, _MAX).to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
 @triton.jit
