@@ -8,8 +8,8 @@
 ``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling; null with the error where it
 refuses the shape), microseconds per call (CUDA events around CUDA-graph replays, median of 20)
 and TB/s of weight bytes at M = 1. Up to 16 rows also the launch shape the decode plan chose
-(``fp8_triton_config``: the GEMM's ``GemmConfig`` or the GEMV's ``Fp8GemvConfig``) and the unsplit
-GEMM's time (``fp8_unsplit_us``).
+(``fp8_triton_config``: the GEMM's ``GemmConfig`` or the GEMV's ``Fp8GemvConfig``), every
+candidate's time (``fp8_candidates_us``) and the unsplit GEMM's (``fp8_unsplit_us``).
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -36,7 +36,7 @@ from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
 from engine.kernels.triton import fp8 as triton_fp8  # noqa: E402
-from engine.kernels.triton.fp8 import _block_sizes, decode_plan  # noqa: E402
+from engine.kernels.triton.fp8 import _block_sizes, _decode_runs, decode_plan  # noqa: E402
 from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
 
 UNSPLIT = _block_sizes(1)  # the FP8 GEMM's launch shape before the decode split-K
@@ -60,12 +60,14 @@ def bench_gemm(preset: dict, row_counts: list[int]) -> list[dict]:
                 os.environ["AGENT_INFER_FP8_GEMM"] = gemm
                 try:
                     row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
-                except RuntimeError as error:  # scaled_mm refuses some shapes (M = 1 on torch 2.11)
+                except (RuntimeError, ValueError) as error:  # scaled_mm refuses some shapes (M = 1 on torch 2.11)
                     row[f"fp8_{gemm}_us"], row[f"fp8_{gemm}_error"] = None, str(error).splitlines()[0]
             os.environ.pop("AGENT_INFER_FP8_GEMM")
             if m <= MAX_ROWS:  # the launch shape the decode plan measured for this shape
                 plan = decode_plan(x, q, scales, None)
                 row["fp8_triton_config"] = {"kernel": type(plan).__name__, **plan._asdict()}
+                row["fp8_candidates_us"] = {f"{type(config).__name__}{tuple(config)}": graph_us(run)
+                                            for config, run in _decode_runs(x, q, scales, None).items()}
                 row["fp8_unsplit_us"] = graph_us(lambda: triton_fp8.fp8_linear(x, q, scales, config=UNSPLIT))
             if m == 1:
                 row.update({f"{kind}_tb_s": bytes_ / row[f"{kind}_us"] / 1e6 for kind, bytes_ in

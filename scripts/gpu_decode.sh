@@ -5,8 +5,9 @@
 #   bash scripts/gpu_decode.sh tests kernels fp8 bf16 summary    # correctness, per-linear timings, B=1 FP8 and bf16
 #   bash scripts/gpu_decode.sh throughput v2lite floors summary  # FP8 KV cache throughput, V2-Lite, floors
 #
-#   tests    the cuda tests of the decode GEMVs and the FP8 KV cache (phase 01's kernels, phase 12's FP8 kernels)
-#   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
+#   tests    the cuda tests of the decode GEMVs and the FP8 KV cache (phase 01's kernels, phase 12's FP8 kernels;
+#            TESTS_K: a pytest -k expression to run fewer)
+#   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (ROWS) (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
 #            plan's choice among the GEMM's split-K shapes and the FP8 GEMV, TB/s of weight bytes);
 #            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS)
 #   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
@@ -32,12 +33,12 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
         fits 150 tests || continue
         timeout 140 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
             phases/01_numeric_primitives/test_decode_gemv.py phases/01_numeric_primitives/test_fp8_kv_cache.py \
-            phases/12_quantization/test_fp8_kernels.py \
+            phases/12_quantization/test_fp8_kernels.py -k "${TESTS_K:-not nothing}" \
             > "$OUT/tests.log" 2>&1
         echo "cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/tests.log")" ;;
     kernels)
         fits 260 kernels || continue
-        timeout 150 python3 scripts/bench_fp8.py gemm --rows 1 4 8 --json "$OUT/fp8_gemm.json" > /dev/null \
+        timeout 150 python3 scripts/bench_fp8.py gemm --rows ${ROWS:-1 4 8} --json "$OUT/fp8_gemm.json" > /dev/null \
             2> "$OUT/kernels.log"
         echo "fp8 gemm rc=$? at $SECONDS s"
         timeout 110 python3 scripts/bench_kernels.py --only gemv --json "$OUT/gemv.json" > "$OUT/gemv.txt" \

@@ -91,7 +91,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters
         w_scale = tl.load(ws_rows + k0 // _GROUP, mask=col_ok, other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         xq, x_scale = quantize_tile(x)
-        sums = tl.sum(xq.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)   # [BLOCK_M, BLOCK_N]
+        if BLOCK_M == 1:  # one row: a [BLOCK_N, 128] product, no third axis
+            sums = tl.sum(w * tl.sum(xq.to(tl.float32), axis=0)[None, :], axis=1)[None, :]
+        else:
+            sums = tl.sum(xq.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)   # [BLOCK_M, BLOCK_N]
         acc += sums * x_scale[:, None] * w_scale[None, :]
     out_mask = row_ok[:, None] & (cols < N)[None, :]  # a -1 assignment's zeros are stored too
     out_ptrs = out_ptr + (out_first + rows[:, None]).to(tl.int64) * out_stride + cols[None, :]
