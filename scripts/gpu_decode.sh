@@ -9,7 +9,7 @@
 #            TESTS_K: a pytest -k expression to run fewer)
 #   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (ROWS) (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
 #            plan's choice among the GEMM's split-K shapes and the FP8 GEMV, TB/s of weight bytes);
-#            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS)
+#            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS; GEMV_BENCH=0: not)
 #   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
 #   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default)
 #   bf16gemv the same with AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
@@ -41,6 +41,7 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
         timeout 150 python3 scripts/bench_fp8.py gemm --rows ${ROWS:-1 4 8} --json "$OUT/fp8_gemm.json" > /dev/null \
             2> "$OUT/kernels.log"
         echo "fp8 gemm rc=$? at $SECONDS s"
+        [ "${GEMV_BENCH:-1}" = 0 ] && continue
         timeout 110 python3 scripts/bench_kernels.py --only gemv --json "$OUT/gemv.json" > "$OUT/gemv.txt" \
             2>> "$OUT/kernels.log"
         echo "bf16 gemv rc=$? at $SECONDS s" ;;

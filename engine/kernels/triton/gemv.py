@@ -134,15 +134,17 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 def fastest(plans: dict, key, fallback, options):
     """The fastest choice for ``key``, kept in ``plans``: the first time a key is seen, every entry
-    of ``options()`` (choice -> a call that runs it) is timed on CUDA in this process and the
-    quickest kept. Inside a CUDA-graph capture an unmeasured key gets ``fallback`` (nothing can
-    be timed there). Shared by the decode GEMVs (this one, the FP8 GEMM's split-K configs)."""
+    of ``options()`` (choice -> a call that runs it) is timed on CUDA in this process, as replays
+    of a CUDA graph of repeated calls (how a decode step runs them: a Triton launch's host work,
+    20-40 us of Python, would otherwise be timed instead of a 20 us kernel), and the quickest
+    kept. Inside a CUDA-graph capture an unmeasured key gets ``fallback`` (nothing can be timed
+    there). Shared by the decode GEMVs (this one, the FP8 GEMM's split-K configs and GEMV)."""
     if key not in plans:
         if torch.cuda.is_current_stream_capturing():
             return fallback
-        from triton.testing import do_bench
+        from triton.testing import do_bench_cudagraph
 
-        timings = {choice: do_bench(run, warmup=2, rep=10) for choice, run in options().items()}
+        timings = {choice: do_bench_cudagraph(run, rep=3, return_mode="median") for choice, run in options().items()}
         plans[key] = min(timings, key=timings.get)
     return plans[key]
 
