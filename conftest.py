@@ -22,11 +22,11 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
 import torch
-from hypothesis import Phase, settings
 
 from phases.checkpoints import make_tiny_checkpoint
 
@@ -35,10 +35,21 @@ from phases.checkpoints import make_tiny_checkpoint
 pytest_plugins = ["gates.pytest_plugin"]
 
 # Under `python -m gates audit` a failure is expected and only its report matters: Hypothesis
-# stops at the first failing example instead of spending minutes shrinking it.
+# stops at the first failing example instead of spending minutes shrinking it. Imported only then:
+# Hypothesis takes 1.5 s to import, in every process of a gate run, most of which never use it.
 if os.environ.get("GATES_AUDIT"):
+    from hypothesis import Phase, settings
+
     settings.register_profile("gates-audit", phases=[Phase.explicit, Phase.reuse, Phase.generate])
     settings.load_profile("gates-audit")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """When no collected test module imported Hypothesis, drop its pytest plugin: its end-of-session
+    summary would import Hypothesis (1.5 s) for nothing, in each rank of a torchrun run."""
+    if "hypothesis" not in sys.modules:
+        session.config.pluginmanager.unregister(name="hypothesispytest")
 
 
 TORCHRUN_DEVICE_VAR = "GATES_TORCHRUN_DEVICE"

@@ -14,7 +14,7 @@ from gates import audit, diff, flaky, next_step, report
 from gates.execute import pytest_command
 from gates.exercise import exercise, select
 from gates.phases import defines_test, discover, has_tests, test_files, topological_order
-from gates.runner import Options, exit_code, run_gates
+from gates.runner import Options, default_jobs, exit_code, run_gates
 from gates.schema import GateError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,10 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="torchrun runs only at these rank counts, e.g. 2 on a two-GPU host (default: every "
                           "count a gate names)")
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
-    run.add_argument("--jobs", type=_positive, default=flaky.default_load(),
+    run.add_argument("--jobs", type=_positive, default=default_jobs(),
                      help="CPU slots the runs share: phases whose dependencies passed run side by side, a torchrun "
                           "run takes a slot per rank, a single run spreads its test files over free slots "
-                          "(pytest-xdist); 1 runs one thing at a time (default: the cores here, %(default)s)")
+                          "(pytest-xdist); 1 runs one thing at a time (default: the cores here plus one, "
+                          "%(default)s)")
     run.add_argument("--repeat", type=_positive, default=1,
                      help="run the selection N times and list every test whose outcome differed (flaky tests)")
     run.add_argument("--load", action="store_true",

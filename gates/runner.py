@@ -3,7 +3,8 @@
 A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
 and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
 run takes one per rank, a single run one, or an xdist worker per three test files where slots
-are free that nothing else waiting could use. Console output stays in dependency order.
+are free that nothing else waiting could use. Waiting runs start critical path first (see
+``start_order``). Console output stays in dependency order.
 
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
@@ -18,12 +19,20 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gates import report
+from gates import flaky, report
 from gates.execute import RunResult, execute, kill_running, missing_requirements
 from gates.phases import Phase, count_test_files, defines_test, discover, has_tests, select, topological_order
 from gates.schema import FailureMode, Gate, GateError, Run
 
 PASS, FAIL, BLOCKED, SKIP = "PASS", "FAIL", "BLOCKED", "SKIP"
+
+
+def default_jobs() -> int:
+    """The slots of a gate run: one more than the cores the runner may use. A run's processes are off
+    the CPU part of the time (torchrun ranks waiting in collectives, a test waiting on the server it
+    started, processes starting), so with a slot per core the cores sat idle: on 2 cores every phase
+    took 12 min 53 s, CPU time 62% of the cores' time; with one slot more 8 min 46 s, 89% busy."""
+    return flaky.default_load() + 1
 
 
 @dataclass
@@ -188,6 +197,25 @@ class OrderedOutput:
                     print(line, flush=True)
 
 
+def chain_lengths(depends_on: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """For each phase of ``depends_on`` (its selected dependencies, in dependency order): the
+    number of phases on the longest chain of phases standing on it, itself included (1: nothing
+    stands on it)."""
+    lengths: dict[str, int] = {}
+    for pid in reversed(list(depends_on)):
+        above = [lengths[q] for q, deps in depends_on.items() if pid in deps]
+        lengths[pid] = 1 + max(above, default=0)
+    return lengths
+
+
+def start_order(job: Job, chains: dict[str, int], order: list[str]) -> tuple:
+    """Sort key of a waiting job: the phases with the longest chain standing on them first (the
+    critical path: what waits on them waits longest), then in dependency order; within a phase the
+    torchrun runs, most ranks first, before the single run, which can then spread its files over
+    the slots they leave (and a run needing every slot is not left waiting behind it)."""
+    return -chains[job.phase], order.index(job.phase), job.run.mode == "single", -job.nproc
+
+
 FILES_PER_WORKER = 3  # an xdist worker costs a process start (torch and the test modules imported again)
 
 
@@ -212,6 +240,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
         report.note(note)
     gates = {gate.id: (phase, gate) for phase, gate in ordered}
     output = OrderedOutput(list(gates))
+    chains = chain_lengths({i: tuple(d for d in g.depends_on if d in gates) for i, (_, g) in gates.items()})
     results: dict[str, PhaseResult] = {}      # decided phases
     started: dict[str, tuple[PhaseResult, list[Job], list[int], float, str]] = {}  # result, jobs, --nproc
     # sizes left out, start time, a note when it runs although a dependency failed (--keep-going)
@@ -252,6 +281,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
             started[pid] = (res, jobs, left_out, time.monotonic(), "ran although dependency " + why if bad else "")
             if jobs:
                 queue.extend(jobs)
+                queue.sort(key=lambda j: start_order(j, chains, list(gates)))
             else:
                 finish_phase(pid)
 

@@ -21,7 +21,20 @@ def prompts_with_shared_prefix(seed: int = 0, count: int = 9) -> list[list[int]]
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = 1,
               dtype=torch.float32, device="cpu") -> list[list[int]]:
     """transformers' own ``generate`` (greedy), one prompt at a time (no padding), on the
-    checkpoint in ``model_dir``; stops at ``eos_token_id`` (kept, as our engine keeps it)."""
+    checkpoint in ``model_dir``; stops at ``eos_token_id`` (kept, as our engine keeps it). Under
+    torchrun (a process group initialised) rank 0 generates and every rank gets its tokens: the
+    other ranks would generate the same, each paying for transformers' model code again."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _hf_generate(model_dir, prompts, max_new_tokens, eos_token_id, dtype, device)
+    tokens = [_hf_generate(model_dir, prompts, max_new_tokens, eos_token_id, dtype, device)
+              if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tokens, src=0)
+    return tokens[0]
+
+
+def _hf_generate(model_dir, prompts, max_new_tokens, eos_token_id, dtype, device) -> list[list[int]]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
