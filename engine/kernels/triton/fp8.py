@@ -144,10 +144,11 @@ def _block_sizes(rows: int) -> GemmConfig:
 
 
 # Up to gemv.MAX_ROWS rows (decode): one 16-row tile, the weight streamed by N / BLOCK_N * SPLIT_K
-# programs; the unsplit shape (_block_sizes) is a candidate too. Timed per shape (decode_plan).
-DECODE_CANDIDATES = [_block_sizes(1)] + [GemmConfig(16, block_n, split_k, 4, 3) for block_n, split_k in
-                                         [(32, 2), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (128, 8),
-                                          (32, 16), (64, 16)]]
+# programs; the unsplit shape (_block_sizes) is a candidate too. Timed per shape (decode_plan). On the
+# H200 the widest tiles won every Qwen3-8B linear at one row (128 columns, 8 splits; 2026-12-03).
+DECODE_CANDIDATES = [_block_sizes(1)] + [GemmConfig(16, block_n, split_k, warps, 3) for block_n, split_k, warps in
+                                         [(32, 4, 4), (64, 4, 4), (32, 8, 4), (64, 8, 4), (128, 4, 4), (128, 8, 4),
+                                          (128, 16, 4), (64, 16, 4), (256, 4, 8), (256, 8, 8)]]
 DECODE_DEFAULT = GemmConfig(16, 32, 2, 4, 3)  # without CUDA (the interpreter), past the GEMV's rows: split
 _DECODE_PLANS: dict[tuple, GemmConfig | fp8_gemv.Fp8GemvConfig] = {}
 

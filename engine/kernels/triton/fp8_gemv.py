@@ -48,7 +48,7 @@ class Fp8GemvConfig(NamedTuple):
 # Timed per shape against the GEMM's launch shapes (``fp8.decode_plan``); a tile of
 # rows x block_n x 128 float32 products must stay in registers, so wide tiles only at few rows.
 CANDIDATES = [Fp8GemvConfig(block_n, split_k, num_warps, 2) for block_n, split_k, num_warps in
-              [(16, 4, 4), (16, 8, 4), (16, 16, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8), (64, 8, 8), (16, 8, 8)]]
+              [(16, 8, 4), (32, 8, 4), (64, 4, 8), (64, 8, 8), (16, 8, 8), (128, 2, 8), (128, 4, 8), (128, 8, 8)]]
 DEFAULT = Fp8GemvConfig(16, 2, 4, 2)  # without CUDA (the interpreter): split, so that path is run
 EXPERT_CONFIG = Fp8GemvConfig(32, 1, 4, 2)  # expert_launch: one program per assignment and 32 columns
 
