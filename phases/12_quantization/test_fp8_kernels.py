@@ -81,18 +81,11 @@ def test_fp8_linear_matches_float64(target, m, n, k, block_rows, bias):
     assert rel_error(out, truth) < (1e-5 if target.dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("device", TRITON_TARGETS)
-@pytest.mark.parametrize("m, n, k, block_rows, bias", [(1, 200, 300, 128, True), (3, 96, 256, 1, False),
-                                                       (16, 130, 384, 128, False), (1, 64, 1, 128, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [GemmConfig(16, 64, 1, 4, 4), GemmConfig(16, 32, 2, 4, 3),
-                                    GemmConfig(16, 16, 4, 4, 3), GemmConfig(16, 32, 8, 4, 3)], ids=str)
-def test_fp8_decode_split_k_matches_float64(device, m, n, k, block_rows, bias, dtype, config):
-    """The decode launch shapes of the FP8 GEMM (one 16-row tile, K split on 128-column groups,
-    more splits than groups included; the last split to arrive adds the partials in order)
-    equal float64 on the dequantized values for 1-16 rows, twice in a row with the same bits
-    (the arrival counters are back to zero after each launch)."""
-    gen = torch.Generator().manual_seed(m * 7 + n + k + config.split_k)
+def check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed) -> None:
+    """One forced decode launch (``config``) of ``fp8_linear`` on ``[m, k]`` activations whose
+    128-column groups differ in magnitude by up to 10^6 (a strided row view), against float64 on
+    the dequantized values; the same bits twice in a row; the arrival counters back at zero."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k + 3, generator=gen, dtype=torch.float64)[:, 1:1 + k]
     x = (x * 10.0 ** torch.randint(-3, 4, (m, -(-k // 128)), generator=gen).repeat_interleave(128, 1)[:, :k])
     x = x.to(dtype).to(device)
@@ -106,6 +99,20 @@ def test_fp8_decode_split_k_matches_float64(device, m, n, k, block_rows, bias, d
     truth = dequantize(q, s) @ dequantize(weight, scales, block_rows).T + (0 if b is None else b.double())
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_error(out, truth) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+@pytest.mark.parametrize("m, n, k, block_rows, bias", [(1, 200, 300, 128, True), (3, 96, 256, 1, False),
+                                                       (16, 130, 384, 128, False), (1, 64, 1, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [GemmConfig(16, 64, 1, 4, 4), GemmConfig(16, 32, 2, 4, 3),
+                                    GemmConfig(16, 16, 4, 4, 3), GemmConfig(16, 32, 8, 4, 3)], ids=str)
+def test_fp8_decode_split_k_matches_float64(device, m, n, k, block_rows, bias, dtype, config):
+    """The decode launch shapes of the FP8 GEMM (one 16-row tile, K split on 128-column groups,
+    more splits than groups included; the last split to arrive adds the partials in order)
+    equal float64 on the dequantized values for 1-16 rows, twice in a row with the same bits
+    (the arrival counters are back to zero after each launch)."""
+    check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed=m * 7 + n + k + config.split_k)
 
 
 @pytest.mark.parametrize("device", TRITON_TARGETS)
@@ -122,20 +129,7 @@ def test_fp8_decode_gemv_matches_float64(device, m, n, k, block_rows, bias, dtyp
     the dequantized values, with block and per-row scales whose 128-column groups differ in
     magnitude (a scale read for the wrong group or row is off by up to 10^3), bit-identical
     twice in a row, the arrival counters left at zero."""
-    gen = torch.Generator().manual_seed(m * 11 + n + k + config.split_k)
-    x = torch.randn(m, k + 3, generator=gen, dtype=torch.float64)[:, 1:1 + k]
-    x = (x * 10.0 ** torch.randint(-3, 4, (m, -(-k // 128)), generator=gen).repeat_interleave(128, 1)[:, :k])
-    x = x.to(dtype).to(device)
-    weight, scales = random_fp8_weight(gen, n=n, k=k, block_rows=block_rows)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    args = weight.to(device), scales.to(device), None if b is None else b.to(device)
-    out = triton_fp8.fp8_linear(x, *args, config=config)
-    assert torch.equal(triton_fp8.fp8_linear(x, *args, config=config), out), "split-K sum not deterministic"
-    assert not zeroed_counters(out.device, 1).any(), "an arrival counter was left non-zero"
-    q, s = quantize_groups(x.cpu())
-    truth = dequantize(q, s) @ dequantize(weight, scales, block_rows).T + (0 if b is None else b.double())
-    assert out.dtype == dtype and out.shape == (m, n)
-    assert rel_error(out, truth) < (1e-5 if dtype == torch.float32 else 1e-2)
+    check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed=m * 11 + n + k + config.split_k)
 
 
 @pytest.mark.parametrize("device", TRITON_TARGETS)
