@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels import FP8_DTYPE
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.dense import DenseForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
@@ -48,7 +49,7 @@ class ModelSettings:
     quantization: str | None
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's names
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}  # vLLM's names
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
            config: GemvConfig) -> torch.Tensor:
     """One launch of the GEMV with ``config`` (no plan consulted); a new ``[M, N]`` tensor."""
     rows, n_out, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
-    if rows > (FMA_MAX_ROWS if config.fma else MAX_ROWS):
-        raise ValueError(f"decode_gemv: {rows} rows; {config} takes at most "
-                         f"{FMA_MAX_ROWS if config.fma else MAX_ROWS}")
+    most = FMA_MAX_ROWS if config.fma else MAX_ROWS
+    if rows > most:
+        raise ValueError(f"decode_gemv: {rows} rows; {config} takes at most {most}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("decode_gemv: x and weight need a contiguous last dim")
     dtype = x.dtype if x.dtype == weight.dtype else torch.float32  # promotion among bf16 / fp16 / fp32
