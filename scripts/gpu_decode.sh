@@ -14,6 +14,9 @@
 #   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default)
 #   bf16gemv the same with AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
 #   throughput  Qwen3-8B random, offline throughput (nano-vllm shape), bf16 cache then --kv-cache-dtype fp8
+#   fp8throughput  the same with online FP8 weights (--quantization fp8), bf16 cache
+#   agreement   scripts/bench_fp8.py agreement (Qwen3-8B: FP8 against bf16 on the same random weights)
+#   qwen3moe Qwen3-30B-A3B random, bf16 then online FP8: B=1 decode with graphs, TTFT of 1,024 tokens
 #   v2lite   DeepSeek-V2-Lite random, bf16 then online FP8: B=1 decode with graphs (the FP8 expert GEMV)
 #   floors   scripts/bench_floors.py: copy floor, cuBLAS matmul chain, prefill GEMM floor
 #   summary  the figures side by side; $OUT/benchmarks.json from the reports (record_benchmarks.py)
@@ -61,6 +64,25 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
                 --output "$OUT/throughput_qwen3_8b_$kv.json" > /dev/null 2>> "$OUT/throughput.log"
             echo "qwen3 throughput kv $kv rc=$? at $SECONDS s"
         done ;;
+    fp8throughput)
+        fits 170 fp8throughput || continue
+        timeout 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights --quantization fp8 \
+            --output "$OUT/throughput_qwen3_8b_fp8w.json" > /dev/null 2>> "$OUT/throughput.log"
+        echo "qwen3 fp8 throughput rc=$? at $SECONDS s" ;;
+    agreement)
+        fits 150 agreement || continue
+        timeout 140 python3 scripts/bench_fp8.py agreement --json "$OUT/agreement.json" > /dev/null \
+            2>> "$OUT/agreement.log"
+        echo "fp8 agreement rc=$? at $SECONDS s" ;;
+    qwen3moe)
+        fits 330 qwen3moe || continue
+        for q in bf16 fp8; do
+            extra=(); [ $q = fp8 ] && extra=(--quantization fp8)
+            timeout 160 python3 -m engine bench latency --preset qwen3-30b-a3b --random-weights \
+                --max-model-len 2048 --prompt-lens 1024 --decode-tokens 128 "${extra[@]}" \
+                --output "$OUT/latency_qwen3_30b_a3b_$q.json" > /dev/null 2>> "$OUT/latency.log"
+            echo "qwen3_30b_a3b $q latency rc=$? at $SECONDS s"
+        done ;;
     v2lite)
         fits 260 v2lite || continue
         for q in bf16 fp8; do
@@ -83,34 +105,43 @@ def load(name):
     return json.loads(path.read_text()) if path.exists() else None
 gemm = load("fp8_gemm.json")
 if gemm:
-    print(f"{'linear N x K':>14} {'M':>2} {'bf16 us':>8} {'fp8 us':>8} {'fp8 TB/s':>8}  fp8 plan")
+    print(f"{'linear N x K':>14} {'M':>4} {'bf16 us':>8} {'fp8 us':>8} {'scaled_mm':>9} {'fp8 TB/s':>8}  fp8 plan")
     for r in gemm["gemm"]:
-        print(f"{r['n']:>6} x {r['k']:<6} {r['m']:>2} {r['bf16_us']:8.1f} {r['fp8_triton_us']:8.1f} "
+        print(f"{r['n']:>6} x {r['k']:<6} {r['m']:>4} {r['bf16_us']:8.1f} {r['fp8_triton_us']:8.1f} "
+              f"{r.get('fp8_scaled_mm_us') or float('nan'):9.1f} "
               f"{r.get('fp8_triton_tb_s', float('nan')):8.2f}  {r.get('fp8_triton_config')}")
 gemv = load("gemv.json")
 if gemv:
     for r in gemv["results"]:
         print(f"bf16 gemv {r['shape']:34} ours {r['ours_us']:7.1f} us  cuBLAS {r.get('cublas_us', float('nan')):7.1f} us  "
               f"best {r.get('best_config')}")
-for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_bf16", "dsv2_lite_fp8"):
+for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_bf16", "dsv2_lite_fp8",
+             "qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8"):
     r = load(f"latency_{name}.json")
     if r:
-        print(f"{name:22} decode {r['decode']['tok_s']:7.1f} tok/s   TTFT 4096 {r['ttft'][0]['ms']:7.1f} ms")
-for kv in ("auto", "fp8"):
-    r = load(f"throughput_qwen3_8b_{kv}.json")
+        print(f"{name:22} decode {r['decode']['tok_s']:7.1f} tok/s   TTFT {r['ttft'][0]['prompt_len']} "
+              f"{r['ttft'][0]['ms']:7.1f} ms")
+for kind in ("auto", "fp8", "fp8w"):
+    r = load(f"throughput_qwen3_8b_{kind}.json")
     if r:
-        print(f"throughput kv {kv:5} {r['throughput']['output_tok_s']:8.1f} out tok/s")
+        print(f"throughput {dict(auto='bf16', fp8='bf16, fp8 KV', fp8w='fp8 weights')[kind]:14} "
+              f"{r['throughput']['output_tok_s']:8.1f} out tok/s")
+agreement = load("agreement.json")
+if agreement:
+    print("agreement", json.dumps(agreement["agreement"])[:800])
 floors = load("floors.json")
 if floors:
     print("floors", json.dumps({k: floors[k] for k in ("copy_floor_tok_s", "matmul_chain_tok_s",
                                                        "prefill_gemm_tok_s") if k in floors}))
 PY
         reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/latency_dsv2_lite_*.json \
+            "$OUT"/latency_qwen3_30b_a3b_*.json \
             "$OUT"/throughput_qwen3_8b_*.json "$OUT"/floors.json 2>/dev/null)
         cp benchmarks.json "$OUT/benchmarks.json"
         [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
             > /dev/null 2>> "$OUT/latency.log" ;;
-    *) echo "unknown section $section (tests, kernels, fp8, bf16, bf16gemv, throughput, v2lite, floors, summary)"
+    *) echo "unknown section $section (tests, kernels, fp8, bf16, bf16gemv, throughput, fp8throughput, agreement, v2lite,"
+       echo "qwen3moe, floors, summary)"
        exit 2 ;;
     esac
 done
