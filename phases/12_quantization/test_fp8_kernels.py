@@ -263,12 +263,23 @@ def test_fp8_ops_replay_in_a_cuda_graph(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_scaled_mm_switch_matches_triton(monkeypatch):
-    """``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling) gives the Triton GEMM's
-    result within bf16 rounding, where it applies (whole 128-blocks)."""
+@pytest.mark.parametrize("rows", [200, 8])
+def test_scaled_mm_switch_matches_triton(monkeypatch, rows):
+    """cuBLAS block-wise scaling (the default for prefill rows on sm90, forced by
+    ``AGENT_INFER_FP8_GEMM=scaled_mm``) and the Triton GEMM (``=triton``) give float64's result on
+    the dequantized values within bf16 rounding, where cuBLAS applies (whole 128-blocks); an unknown
+    choice is an error naming the variable."""
     gen = torch.Generator().manual_seed(1)
-    weight, scales = (t.cuda() for t in random_fp8_weight(gen, n=512, k=384))
-    x = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16)
-    triton_out = fp8.fp8_linear(x, weight, scales)
-    monkeypatch.setenv("AGENT_INFER_FP8_GEMM", "scaled_mm")
-    assert rel_error(fp8.fp8_linear(x, weight, scales), triton_out) < 1e-2
+    weight, scales = random_fp8_weight(gen, n=512, k=384)
+    x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
+    q, s = quantize_groups(x)
+    truth = dequantize(q, s) @ dequantize(weight, scales, 128).T
+    for choice in ("triton", "scaled_mm", None):
+        if choice:
+            monkeypatch.setenv("AGENT_INFER_FP8_GEMM", choice)
+        else:
+            monkeypatch.delenv("AGENT_INFER_FP8_GEMM", raising=False)
+        assert rel_error(fp8.fp8_linear(x.cuda(), weight.cuda(), scales.cuda()).cpu(), truth) < 1e-2, choice
+    monkeypatch.setenv("AGENT_INFER_FP8_GEMM", "cublas")
+    with pytest.raises(ValueError, match="AGENT_INFER_FP8_GEMM"):
+        fp8.fp8_linear(x.cuda(), weight.cuda(), scales.cuda())

@@ -22,9 +22,13 @@ its expert in place; beyond, assignments are grouped by expert on the device int
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
 come from host shapes only: no host sync, CUDA-graph safe.
 
-``AGENT_INFER_FP8_GEMM=scaled_mm`` routes ``fp8_linear`` with 128 x 128 weight blocks through
-``torch.nn.functional.scaled_mm`` (cuBLAS block-wise scaling, sm90) instead: measured against
-the Triton GEMM by ``scripts/bench_fp8.py``; Triton stays the default until it measures slower.
+Prefill (more than ``FUSED_QUANT_MAX_ROWS`` rows) on sm90 with 128 x 128 weight blocks goes through
+``torch.nn.functional.scaled_mm`` (cuBLAS block-wise scaling, FP8 wgmma) after
+``quantize_per_token_group``: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B linears) it took
+0.65-0.73 of bf16 cuBLAS's time at 4,096 rows where the Triton GEMM took 1.3, and tied bf16 at 256
+rows where Triton took 1.2-1.9; at 4-8 rows it was no faster than the decode launches and it refuses
+one row. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton GEMM at every row count,
+``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from engine.kernels.triton.fp8_tiles import quantize_tile, store_out
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
-GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # "triton" (default) or "scaled_mm"
+GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: scaled_mm for prefill on sm90; "triton" or "scaled_mm" forces one
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
 
 
@@ -203,7 +207,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (``fp8_gemv``) for its configs, else the GEMM."""
     a = x.reshape(-1, x.shape[-1])
     m, n = a.shape[0], weight.shape[0]
-    if os.environ.get(GEMM_ENV) == "scaled_mm" and _scaled_mm_fits(a, weight, weight_scale):
+    if _takes_scaled_mm(a, weight, weight_scale):
         return _scaled_mm_linear(a, weight, weight_scale, bias).view(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     a_scale = None
@@ -262,10 +266,18 @@ def fp8_expert_linear(x: torch.Tensor, weights: torch.Tensor, weight_scales: tor
     return out.view(tokens, per_token, n)
 
 
-def _scaled_mm_fits(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """cuBLAS block-wise scaling (1 x 128 activations, 128 x 128 weights): K and N whole blocks."""
+def _takes_scaled_mm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` runs cuBLAS block-wise scaling (1 x 128 activations, 128 x 128 weights:
+    K and N whole blocks) for ``a [M, K]``: forced or refused by ``GEMM_ENV``, else from
+    ``FUSED_QUANT_MAX_ROWS`` rows up on an sm90 GPU (see the module's docstring)."""
     n, k = weight.shape
-    return weight_block_rows(weight, weight_scale) == GROUP and n % GROUP == 0 and k % GROUP == 0
+    choice = os.environ.get(GEMM_ENV)
+    if choice not in (None, "triton", "scaled_mm"):
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: scaled_mm for prefill on sm90)")
+    if choice == "triton" or weight_block_rows(weight, weight_scale) != GROUP or n % GROUP or k % GROUP:
+        return False
+    return choice == "scaled_mm" or (a.shape[0] > FUSED_QUANT_MAX_ROWS and a.device.type == "cuda"
+                                     and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
 def _scaled_mm_linear(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
