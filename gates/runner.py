@@ -3,7 +3,8 @@
 A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
 and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
 run takes one per rank, a single run an xdist worker per three test files, as many as the
-slots no other phase at least as critical holds or waits for. Waiting runs start critical path
+slots that other phases at least as critical hold and other runs at least as critical wait for
+leave. Waiting runs start critical path
 first (see ``start_order``); the first waiting run starts on fewer slots than it wants rather
 than wait for them. Console output stays in dependency order.
 
@@ -241,7 +242,8 @@ FILES_PER_WORKER = 3  # an xdist worker costs a process start (torch and the tes
 def _slots(job: Job, root: Path, rivals: int, jobs: int) -> int:
     """CPU slots ``job`` wants: a torchrun run one per rank (at most every slot); a single run one
     xdist worker per ``FILES_PER_WORKER`` test files, up to the slots that ``rivals`` (the slots
-    held by, and the jobs waiting in, other phases at least as critical) leave it, at least one."""
+    held by other phases at least as critical, and one for each other job waiting that is at least
+    as critical, its own phase's torchrun runs included) leave it, at least one."""
     if job.run.mode == "torchrun":
         return min(job.nproc, jobs)
     return max(1, min(jobs - rivals, count_test_files(root, job.run.tests) // FILES_PER_WORKER))
@@ -314,7 +316,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
                     level = critical(job, paths, chains)
                     rivals = sum(taken for j, taken in running.values()
                                  if j.phase != job.phase and critical(j, paths, chains) >= level) + \
-                        sum(1 for j in queue if j.phase != job.phase and critical(j, paths, chains) >= level)
+                        sum(1 for j in queue if j is not job and critical(j, paths, chains) >= level)
                     want = _slots(job, root, rivals, options.jobs)
                     if want > free and job is not queue[0]:
                         continue
