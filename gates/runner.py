@@ -2,9 +2,11 @@
 
 A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
 and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
-run takes one per rank, a single run one, or an xdist worker per three test files where slots
-are free that nothing else waiting could use. Waiting runs start critical path first (see
-``start_order``). Console output stays in dependency order.
+run takes one per rank, a single run an xdist worker per three test files, as many as the
+slots that other phases at least as critical hold and other runs at least as critical wait for
+leave. Waiting runs start critical path
+first (see ``start_order``); the first waiting run starts on fewer slots than it wants rather
+than wait for them. Console output stays in dependency order.
 
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
@@ -208,25 +210,43 @@ def chain_lengths(depends_on: dict[str, tuple[str, ...]]) -> dict[str, int]:
     return lengths
 
 
-def start_order(job: Job, chains: dict[str, int], order: list[str]) -> tuple:
-    """Sort key of a waiting job: the phases with the longest chain standing on them first (the
-    critical path: what waits on them waits longest), then in dependency order; within a phase the
-    torchrun runs, most ranks first, before the single run, which can then spread its files over
-    the slots they leave (and a run needing every slot is not left waiting behind it)."""
-    return -chains[job.phase], order.index(job.phase), job.run.mode == "single", -job.nproc
+def path_lengths(depends_on: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """For each phase of ``depends_on`` (as for ``chain_lengths``): the number of phases on the
+    longest dependency path through it (the longest chain it stands on, itself, and the longest
+    chain standing on it)."""
+    chains, depth = chain_lengths(depends_on), {}
+    for pid, deps in depends_on.items():
+        depth[pid] = 1 + max((depth[d] for d in deps), default=0)
+    return {pid: depth[pid] + chains[pid] - 1 for pid in depends_on}
+
+
+def critical(job: Job, paths: dict[str, int], chains: dict[str, int]) -> tuple[int, int]:
+    """How critical ``job``'s phase is: the longest dependency path through it, then the longest
+    chain standing on it (larger: more critical)."""
+    return paths[job.phase], chains[job.phase]
+
+
+def start_order(job: Job, paths: dict[str, int], chains: dict[str, int], order: list[str]) -> tuple:
+    """Sort key of a waiting job: the phases on the longest dependency path first (the critical
+    path: the last phase of a gate run waits on every phase of it), then those with the longest
+    chain standing on them, then in dependency order; within a phase the single run (most of a
+    phase's tests; it spreads its files over xdist workers when it starts) before the torchrun
+    runs, most ranks first."""
+    return (tuple(-x for x in critical(job, paths, chains)), order.index(job.phase), job.run.mode != "single",
+            -job.nproc)
 
 
 FILES_PER_WORKER = 3  # an xdist worker costs a process start (torch and the test modules imported again)
 
 
-def _slots(job: Job, root: Path, free: int, others_waiting: int, jobs: int) -> int:
-    """CPU slots ``job`` takes: a torchrun run one per rank (at most every slot); a single run
-    one, or, when slots are free that no other waiting job can use, one xdist worker per
-    ``FILES_PER_WORKER`` test files up to those slots."""
+def _slots(job: Job, root: Path, rivals: int, jobs: int) -> int:
+    """CPU slots ``job`` wants: a torchrun run one per rank (at most every slot); a single run one
+    xdist worker per ``FILES_PER_WORKER`` test files, up to the slots that ``rivals`` (the slots
+    held by other phases at least as critical, and one for each other job waiting that is at least
+    as critical, its own phase's torchrun runs included) leave it, at least one."""
     if job.run.mode == "torchrun":
         return min(job.nproc, jobs)
-    spare = free - others_waiting
-    return max(1, min(spare, count_test_files(root, job.run.tests) // FILES_PER_WORKER))
+    return max(1, min(jobs - rivals, count_test_files(root, job.run.tests) // FILES_PER_WORKER))
 
 
 def run_gates(root: Path, options: Options) -> list[PhaseResult]:
@@ -240,7 +260,8 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
         report.note(note)
     gates = {gate.id: (phase, gate) for phase, gate in ordered}
     output = OrderedOutput(list(gates))
-    chains = chain_lengths({i: tuple(d for d in g.depends_on if d in gates) for i, (_, g) in gates.items()})
+    selected_deps = {i: tuple(d for d in g.depends_on if d in gates) for i, (_, g) in gates.items()}
+    chains, paths = chain_lengths(selected_deps), path_lengths(selected_deps)
     results: dict[str, PhaseResult] = {}      # decided phases
     started: dict[str, tuple[PhaseResult, list[Job], list[int], float, str]] = {}  # result, jobs, --nproc
     # sizes left out, start time, a note when it runs although a dependency failed (--keep-going)
@@ -281,7 +302,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
             started[pid] = (res, jobs, left_out, time.monotonic(), "ran although dependency " + why if bad else "")
             if jobs:
                 queue.extend(jobs)
-                queue.sort(key=lambda j: start_order(j, chains, list(gates)))
+                queue.sort(key=lambda j: start_order(j, paths, chains, list(gates)))
             else:
                 finish_phase(pid)
 
@@ -290,12 +311,19 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
             start_ready_phases()
             while queue or running:
                 for job in list(queue):
-                    want = _slots(job, root, free, len(queue) - 1, options.jobs)
-                    if want > free and (running or job is not queue[0]):
+                    if free < 1:
+                        break
+                    level = critical(job, paths, chains)
+                    rivals = sum(taken for j, taken in running.values()
+                                 if j.phase != job.phase and critical(j, paths, chains) >= level) + \
+                        sum(1 for j in queue if j is not job and critical(j, paths, chains) >= level)
+                    want = _slots(job, root, rivals, options.jobs)
+                    if want > free and job is not queue[0]:
                         continue
                     queue.remove(job)
-                    free -= want
                     workers = want if job.run.mode == "single" else 1
+                    want = min(want, free)  # the first waiting job starts on what is free
+                    free -= want
                     output.say(job.phase, report.run_start_line(job.run, job.nproc, workers))
                     future = pool.submit(_attempt, root, job.run, job.nproc, workers, threads)
                     running[future] = (job, want)

@@ -178,33 +178,6 @@ def test_paged_decode_empty_context_gives_a_zero_row(target):
     assert_close(out[1:2], want, target.tol, "paged decode beside empty rows")
 
 
-@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (3, False), (40, False), (3, True), (40, True)])
-def test_paged_decode_split_count_does_not_change_the_result(target, num_splits, fused_merge):
-    """The Triton split-K merge: any number of splits (empty ones included) gives the float64
-    answer, merged by a second launch or by the last split to arrive (``fused_merge``; called
-    twice: its arrival counters are back at zero). Each split takes whole 64-token tiles of its
-    own context: at 40 splits the 2200-token context fills 35 (more than one 32-split merge
-    step), 150 tokens fill 3 and 1 token fills 1, the rest stay empty; at 3 splits a 330-token
-    context fills all three (2, 2 and 2 tiles, the last one partial); with one split the split
-    kernel writes the output itself. A context of 0 stays a zero row on every path. (The
-    2200-token context runs only where more than 32 splits need it: under the Triton interpreter
-    it is most of this file's time.)"""
-    if "triton" not in target.module:
-        pytest.skip("num_splits is a Triton-backend knob")
-    longest = 2200 if num_splits > 32 else 330
-    for seed in (num_splits, num_splits + 1):
-        run_decode(target, 2, 4, 128, 128, False, 16, [1, 150, 0, longest], seed=seed, num_splits=num_splits,
-                   fused_merge=fused_merge)
-
-
-def test_paged_decode_mla_fused_merge(target):
-    """The one-launch merge on MLA's shapes: one latent KV head, 16 query heads in one head block,
-    V = the first 512 of 576 channels."""
-    if "triton" not in target.module:
-        pytest.skip("fused_merge is a Triton-backend knob")
-    run_decode(target, 1, 16, 576, 512, True, 16, [1, 40], seed=7, num_splits=3, fused_merge=True)
-
-
 def test_paged_decode_query_in_two_parts_off_the_main_block(target):
     """``q_rope`` where the first part does not fill the head dim's main block (96 | 32 of 128, GQA):
     the same answer as the whole query (the Triton backend concatenates first)."""
