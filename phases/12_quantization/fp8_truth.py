@@ -38,6 +38,11 @@ TARGETS = [
     pytest.param(Target("triton-cuda", "engine.kernels.triton.fp8", "cuda", torch.bfloat16), id="triton-cuda",
                  marks=pytest.mark.cuda),
 ]
+# The Triton kernels alone: the interpreter on a CPU-only machine, the real kernels under ``cuda``.
+TRITON_TARGETS = [pytest.param("cpu", id="triton-interpret",
+                               marks=pytest.mark.skipif(HAS_CUDA or not HAS_TRITON,
+                                                        reason="the interpreter runs only without a GPU")),
+                  pytest.param("cuda", id="triton-cuda", marks=pytest.mark.cuda)]
 
 
 def group_scales(x: torch.Tensor) -> torch.Tensor:
