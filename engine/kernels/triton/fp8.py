@@ -283,12 +283,18 @@ def _takes_scaled_mm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 def _scaled_mm_linear(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.scaled_mm`` with activation scales outer-dim-major ``[M, K/128]`` and
-    weight scales ``[K/128 padded to 4, N/128]`` (the layouts cuBLAS reads on sm90)."""
+    weight scales ``[K/128 padded to 4, N/128]`` (the layouts cuBLAS reads on sm90). cuBLAS refuses
+    (CUBLAS_STATUS_NOT_SUPPORTED) activation scales whose leading dimension M is not a multiple of 4
+    (16 bytes): such an ``a`` gets zero rows up to one, and its output loses them again."""
     from torch.nn.functional import ScalingType, scaled_mm
 
+    rows = a.shape[0]
+    if rows % 4:
+        a = torch.nn.functional.pad(a, (0, 0, 0, -rows % 4))
     q, a_scale = quantize_per_token_group(a)
     k_blocks = weight_scale.shape[1]
     padded = weight_scale.new_zeros(weight_scale.shape[0], -(-k_blocks // 4) * 4)
     padded[:, :k_blocks] = weight_scale
-    return scaled_mm(q, weight.t(), a_scale.t().contiguous().t(), ScalingType.BlockWise1x128, padded.t(),
-                     ScalingType.BlockWise128x128, bias=bias, output_dtype=a.dtype)
+    out = scaled_mm(q, weight.t(), a_scale.t().contiguous().t(), ScalingType.BlockWise1x128, padded.t(),
+                    ScalingType.BlockWise128x128, bias=bias, output_dtype=a.dtype)
+    return out[:rows]
