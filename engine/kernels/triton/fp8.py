@@ -22,12 +22,13 @@ its expert in place; beyond, assignments are grouped by expert on the device int
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
 come from host shapes only: no host sync, CUDA-graph safe.
 
-Prefill (more than ``FUSED_QUANT_MAX_ROWS`` rows) on sm90 with 128 x 128 weight blocks goes through
-``torch.nn.functional.scaled_mm`` (cuBLAS block-wise scaling, FP8 wgmma) after
-``quantize_per_token_group``: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B linears) it took
-0.65-0.77 of bf16 cuBLAS's time at 4,096 rows where the Triton GEMM took 1.3, and tied bf16 at 256
-rows where Triton took 1.2-1.9; at 4-8 rows it was no faster than the decode launches and it refuses
-one row. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton GEMM at every row count,
+Beyond the decode launches (more than ``gemv.MAX_ROWS`` rows) on sm90 with 128 x 128 weight blocks
+everything goes through ``torch.nn.functional.scaled_mm`` (cuBLAS block-wise scaling, FP8 wgmma)
+after ``quantize_per_token_group``: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B linears) it
+took 0.65-0.77 of bf16 cuBLAS's time at 4,096 rows where the Triton GEMM took 1.3, 0.8-1.1 at 65-256
+rows where Triton took 1.2-1.9, and 1.2-1.9 at 32-64 rows where Triton's one tile per 64 rows took
+5-20 times bf16's (a batch of 17-64 decoding sequences); at 4-8 rows it was no faster than the decode
+launches and it refuses one row. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton GEMM at every row count,
 ``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
 """
 from __future__ import annotations
@@ -268,12 +269,13 @@ def fp8_expert_linear(x: torch.Tensor, weights: torch.Tensor, weight_scales: tor
 
 def _takes_scaled_mm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` runs cuBLAS block-wise scaling (1 x 128 activations, 128 x 128 weights:
-    K and N whole blocks) for ``a [M, K]``: forced or refused by ``GEMM_ENV``, else from
-    ``FUSED_QUANT_MAX_ROWS`` rows up on an sm90 GPU (see the module's docstring)."""
+    K and N whole blocks) for ``a [M, K]``: forced or refused by ``GEMM_ENV``, else for
+    more than ``gemv.MAX_ROWS`` rows (the decode launches' limit) on an sm90 GPU (see the module's
+    docstring)."""
     choice = os.environ.get(GEMM_ENV)
     if choice not in (None, "triton", "scaled_mm"):
         raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: scaled_mm for prefill on sm90)")
-    wanted = choice == "scaled_mm" or (choice is None and a.shape[0] > FUSED_QUANT_MAX_ROWS  # a decode step stops here
+    wanted = choice == "scaled_mm" or (choice is None and a.shape[0] > MAX_ROWS  # a decode step stops here
                                        and a.device.type == "cuda"
                                        and torch.cuda.get_device_capability(a.device) == (9, 0))
     n, k = weight.shape
