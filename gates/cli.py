@@ -58,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", type=Path, help="JSON report path (default: ROOT/gate-report.json)")
     run.add_argument("--jobs", type=_positive, default=default_jobs(),
                      help="CPU slots the runs share: phases whose dependencies passed run side by side, a torchrun "
-                          "run takes a slot per rank, a single run spreads its test files over free slots "
-                          "(pytest-xdist); 1 runs one thing at a time (default: the cores here plus one, "
+                          "run takes a slot per rank, a single run a slot per test file (a pytest session each); "
+                          "1 runs one thing at a time (default: the cores here plus one, "
                           "%(default)s)")
     run.add_argument("--repeat", type=_positive, default=1,
                      help="run the selection N times and list every test whose outcome differed (flaky tests)")

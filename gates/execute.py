@@ -1,19 +1,23 @@
-"""Execute one run of a gate as a subprocess and collect its per-test results.
+"""Execute one run of a gate as pytest sessions and collect its per-test results.
 
-``single``: ``python -m pytest -m "not torchrun" <tests>`` (``-n W --dist loadfile`` with W
-pytest-xdist workers, each test file on one worker).
-``torchrun``: ``python -m torch.distributed.run --standalone --nproc_per_node N
--m pytest -m torchrun <tests>`` (standalone rendezvous picks a free port).
-Results come from ``gates.pytest_plugin`` (one JSON file per rank); a test that
+``single``: a session per test file (or node id) of the run, each ``pytest -m "not torchrun"
+<file>`` (the isolation of ``pytest -n W --dist loadfile``); the runner gives each file a job of its
+own, so a phase's files spread over whatever CPU slots are free, and ``combine`` merges them.
+``torchrun``: N ranks, each ``pytest -m torchrun <tests>`` with torchrun's variables, its
+rendezvous on a store bound to a port the system chose.
+Sessions are forked from a server that imported the heavy modules once (``gates.forks``); the
+report's command is the plain equivalent (pytest-xdist, torchrun) that reproduces a run by hand.
+Results come from ``gates.pytest_plugin`` (one JSON file per session); a test that
 fails in any rank fails the run.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gates
+from gates.forks import Session, rank_environments, session_variables, start
+from gates.phases import test_targets
 from gates.schema import Run
 
 COUNT_KEY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors"}
@@ -38,7 +44,7 @@ def run_label(mode: str, nproc: int | None) -> str:
 
 @dataclass
 class RunResult:
-    """The outcome of one subprocess. ``status``: passed | failed | empty (no
+    """The outcome of one run. ``status``: passed | failed | empty (no
     test ran) | skipped (a requirement is absent; ``reason`` says which). ``test_results``:
     every test's nodeid, outcome, duration_s (and properties it recorded)."""
     mode: str
@@ -46,7 +52,7 @@ class RunResult:
     tests: tuple[str, ...]
     status: str
     reason: str = ""
-    workers: int = 1     # xdist processes of a single run
+    files: int = 1       # pytest sessions (test files) of a single run
     command: str = ""
     returncode: int | None = None
     duration_s: float = 0.0
@@ -61,14 +67,13 @@ class RunResult:
         return run_label(self.mode, self.nproc)
 
 
-def pytest_command(run: Run, nproc: int, root: Path, workers: int = 1) -> list[str]:
-    """The command line for ``run`` (with ``nproc`` ranks when it is a torchrun run, ``workers``
-    xdist processes when it is a single run and ``workers`` > 1)."""
+def pytest_command(run: Run, nproc: int, root: Path) -> list[str]:
+    """The plain command line of ``run`` (with ``nproc`` ranks when it is a torchrun run): what a
+    person runs to reproduce it without the runner."""
     pytest_args = ["-m", "pytest", "-p", "gates.pytest_plugin", "-p", "no:cacheprovider",
                    "--rootdir", str(root), "-q", "-rfE"]
     if run.mode == "single":
-        spread = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
-        return [sys.executable, *pytest_args, *spread, "-m", "not torchrun", *run.tests]
+        return [sys.executable, *pytest_args, "-m", "not torchrun", *run.tests]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(nproc), *pytest_args, "-m", "torchrun", *run.tests]
 
@@ -119,7 +124,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-_running: set[int] = set()   # the process ids of the runs under way (runs execute in threads)
+_running: set[int] = set()   # the process ids of the sessions under way (runs execute in threads)
 _running_lock = threading.Lock()
 
 
@@ -132,9 +137,8 @@ def kill_running() -> None:
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant: torchrun starts each
-    worker in a session of its own, which a kill of the group alone would miss (the
-    orphaned ranks would keep the output pipe open and the run would never end)."""
+    """SIGKILL ``pid``, its process group and every descendant: a test may start processes in a
+    session of their own (a server, a torchrun), which a kill of the group alone would miss."""
     for victim in [pid, *_descendants(pid)]:
         for kill in (lambda v: os.killpg(v, signal.SIGKILL), lambda v: os.kill(v, signal.SIGKILL)):
             try:
@@ -165,34 +169,80 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
     return merged, ranks
 
 
-def execute(run: Run, nproc: int, root: Path, workers: int = 1, threads: int | None = None) -> RunResult:
-    """Run ``run`` (at ``nproc`` ranks for torchrun, over ``workers`` xdist processes for a
-    single run) under ``root``, each process at ``threads`` OpenMP threads unless the
-    environment says (None: torch's default); kill it and every process it started after
-    ``run.timeout_s``."""
-    result = RunResult(run.mode, nproc, run.tests, status="failed", workers=workers)
-    cmd = pytest_command(run, nproc, root, workers)
-    result.command = shlex.join(cmd)
-    with tempfile.TemporaryDirectory(prefix="gates-") as result_dir:
+def execute(run: Run, nproc: int, root: Path, threads: int | None = None) -> RunResult:
+    """Run ``run`` under ``root``: a single run as a pytest session per test file (or node id), one
+    after another (the runner gives each file a job of its own and merges them with ``combine``);
+    a torchrun run as ``nproc`` ranks side by side. Sessions are forked from the pre-importing
+    server (``gates.forks``), each at ``threads`` OpenMP threads (None: torch's default; ranks 1,
+    as torchrun gives them). Stops every rank once one fails; kills everything after
+    ``run.timeout_s``. ``result.command`` is the plain command line that reproduces the run."""
+    result = RunResult(run.mode, nproc, run.tests, status="failed")
+    result.command = shlex.join(pytest_command(run, nproc, root))
+    store = None
+    with tempfile.TemporaryDirectory(prefix="gates-") as tmp:
+        base = {**_child_env(tmp, threads), **session_variables(root)}
+        args = ("-p", "gates.pytest_plugin", "-p", "no:cacheprovider", "--rootdir", str(root), "-q", "-rfE")
+        if run.mode == "single":
+            targets = test_targets(root, run.tests)
+            sessions = [Session((*args, "-m", "not torchrun", target),
+                                {**base, "GATES_RESULT_DIR": str(Path(tmp, str(i)))}, Path(tmp, f"{i}.log"), threads)
+                        for i, target in enumerate(targets)]
+            for i in range(len(targets)):
+                Path(tmp, str(i)).mkdir()
+            at_once, fail_fast = 1, False
+            result.files = len(targets)
+        else:
+            store, ranks = rank_environments(nproc)
+            sessions = [Session((*args, "-m", "torchrun", *run.tests), {**base, **rank},
+                                Path(tmp, f"rank{r}.log"), threads or 1) for r, rank in enumerate(ranks)]
+            at_once, fail_fast = nproc, True
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=root, env=_child_env(result_dir, threads), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        with _running_lock:
-            _running.add(proc.pid)
-        try:
-            output, _ = proc.communicate(timeout=run.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
-            output, _ = proc.communicate()
-            result.reason = f"timeout after {run.timeout_s:g} s"
-        finally:
-            with _running_lock:
-                _running.discard(proc.pid)
+        codes, result.reason = _supervise(root, sessions, at_once, run.timeout_s, fail_fast)
         result.duration_s = round(time.monotonic() - start, 2)
-        result.returncode = proc.returncode
-        result.output_tail = output[-OUTPUT_TAIL_CHARS:]
-        rank_files = [json.loads(p.read_text()) for p in Path(result_dir).glob("rank*.json")]
+        del store
+        logs = [(code, s.log.read_text(errors="replace") if s.log.exists() else "") for code, s in zip(codes, sessions)]
+        result.output_tail = "".join(text for _, text in sorted(logs, key=lambda x: x[0] not in (0, PYTEST_NO_TESTS)))[
+            -OUTPUT_TAIL_CHARS:]
+        if run.mode == "single":
+            result.returncode = _single_code(codes)
+            rank_files = [_session_results(Path(tmp, str(i)), target, code)
+                          for i, (target, code) in enumerate(zip(targets, codes))]
+            rank_files = [{"rank": 0, "exitstatus": result.returncode,
+                           "tests": [t for f in rank_files for t in f["tests"]]}]
+        else:
+            result.returncode = next((c for c in codes if c not in (0, None)), 0)
+            rank_files = [json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")]
+    _take_ranks(result, rank_files, expected_ranks=nproc)
+    return result
+
+
+def combine(run: Run, parts: list[RunResult], command: str, duration_s: float) -> RunResult:
+    """One result for single run ``run`` from its files' results (each file ran as a job of its
+    own): every file's tests; skipped (a requirement absent) or empty only when every file was;
+    a file's verdict other than its failing tests (a timeout, an exit code) stays in the reason."""
+    result = RunResult(run.mode, 1, run.tests, status="failed", files=len(parts), command=command,
+                       duration_s=round(duration_s, 2))
+    for status in ("skipped", "empty"):
+        if all(p.status == status for p in parts):
+            result.status, result.reason = status, parts[0].reason
+            result.command = command if status == "empty" else ""   # skipped: nothing ran
+            return result
+    ran = [p for p in parts if p.status not in ("skipped", "empty")] or parts
+    # a file's own verdict (a timeout, an exit code) stands; its failing tests are counted again below
+    result.reason = "; ".join(sorted({p.reason for p in ran if p.status == "failed"
+                                      and p.reason != f"{len(p.failing)} failing test(s)"}))
+    result.returncode = _single_code([p.returncode for p in ran])
+    result.output_tail = "".join(p.output_tail for p in sorted(ran, key=lambda p: p.status == "failed"))[
+        -OUTPUT_TAIL_CHARS:]
+    messages = {f["nodeid"]: f["message"] for p in ran for f in p.failing}
+    tests = [{**t, "message": messages.get(t["nodeid"], "")} for p in ran for t in p.test_results]
+    _take_ranks(result, [{"rank": 0, "exitstatus": result.returncode, "tests": tests}], expected_ranks=1)
+    return result
+
+
+def _take_ranks(result: RunResult, rank_files: list[dict], expected_ranks: int) -> None:
+    """Fill ``result``'s tests, counts, failing tests and ranks from the sessions' result files and
+    judge it (a reason already set, a timeout, stands)."""
     merged, result.ranks = merge_ranks(rank_files)
     for t in merged.values():
         result.counts[COUNT_KEY[t["outcome"]]] += 1
@@ -201,9 +251,68 @@ def execute(run: Run, nproc: int, root: Path, workers: int = 1, threads: int | N
     result.failing = [{"nodeid": t["nodeid"], "outcome": t["outcome"], "ranks": t["ranks"],
                        "message": t["message"]}
                       for t in merged.values() if t["outcome"] in FAILING]
-    result.status, reason = _judge(result, expected_ranks=nproc)
+    result.status, reason = _judge(result, expected_ranks)
     result.reason = result.reason or reason
-    return result
+
+
+def _session_results(result_dir: Path, target: str, code: int | None) -> dict:
+    """The results a single run's session wrote, or, when it wrote none (it crashed or was killed),
+    an error that names its target and exit code."""
+    written = result_dir / "rank0.json"
+    if written.exists():
+        return json.loads(written.read_text())
+    message = f"the pytest session of {target} ended with exit code {code} and wrote no results (see the output)"
+    return {"tests": [{"nodeid": target, "outcome": "error", "duration_s": 0.0, "message": message,
+                       "failed_at": time.time()}]}
+
+
+def _single_code(codes: list[int | None]) -> int:
+    """One exit code for a single run's sessions: the first that is neither 0 nor pytest's "no
+    tests" (5); else 5 when no session ran a test; else 0."""
+    bad = [c for c in codes if c not in (0, PYTEST_NO_TESTS)]
+    if bad:
+        return -1 if bad[0] is None else bad[0]
+    return PYTEST_NO_TESTS if codes and all(c == PYTEST_NO_TESTS for c in codes) else 0
+
+
+def _supervise(root: Path, sessions: list[Session], at_once: int, timeout_s: float,
+               fail_fast: bool) -> tuple[list[int | None], str]:
+    """Run ``sessions`` in order, at most ``at_once`` at a time, until all have exited; with
+    ``fail_fast`` kill the rest once one exits non-zero. After ``timeout_s`` kill everything left.
+    Returns each session's exit code (negative: killed by that signal; None: never started) and
+    "timeout after N s" when the time ran out ("" otherwise)."""
+    codes: list[int | None] = [None] * len(sessions)
+    running: dict[object, tuple[int, multiprocessing.Process]] = {}   # by sentinel
+    pending = list(range(len(sessions)))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending or running:
+            while pending and len(running) < at_once:
+                i = pending.pop(0)
+                process = start(root, sessions[i])
+                with _running_lock:
+                    _running.add(process.pid)
+                running[process.sentinel] = (i, process)
+            ready = multiprocessing.connection.wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return codes, f"timeout after {timeout_s:g} s"
+            for sentinel in ready:
+                i, process = running.pop(sentinel)
+                process.join()
+                codes[i] = process.exitcode
+                with _running_lock:
+                    _running.discard(process.pid)
+                if fail_fast and codes[i] != 0:
+                    pending.clear()
+                    for _, other in running.values():
+                        _kill_tree(other.pid)
+        return codes, ""
+    finally:   # a timeout, or an exception in the runner: nothing started here outlives it
+        for _, process in running.values():
+            _kill_tree(process.pid)
+            process.join()
+            with _running_lock:
+                _running.discard(process.pid)
 
 
 def _judge(r: RunResult, expected_ranks: int) -> tuple[str, str]:

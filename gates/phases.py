@@ -99,14 +99,14 @@ def has_tests(root: Path, target: str) -> bool:
     return path.is_dir() and any(path.rglob("test_*.py"))
 
 
-def count_test_files(root: Path, targets: tuple[str, ...]) -> int:
-    """How many test files the targets (paths or node ids, relative to ``root``) cover: a node id
-    or a file counts one, a directory each ``test_*.py`` under it."""
-    count = 0
-    for target in targets:
+def test_targets(root: Path, tests: tuple[str, ...]) -> list[str]:
+    """The pytest targets of a single run, one session each: every ``test_*.py`` under a directory
+    (sorted), a file or node id as given."""
+    targets = []
+    for target in tests:
         path = root / target.split("::")[0]
-        count += len(list(path.rglob("test_*.py"))) if path.is_dir() else 1
-    return count
+        targets += [str(p.relative_to(root)) for p in sorted(path.rglob("test_*.py"))] if path.is_dir() else [target]
+    return targets
 
 
 def test_files(phase: Phase) -> list[Path]:

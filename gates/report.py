@@ -30,8 +30,9 @@ def phase_header(phase, gate) -> str:
     return f"\n== {gate.id} {gate.title}  ({phase.rel}; depends on {deps})"
 
 
-def run_start_line(run, nproc: int, workers: int) -> str:
-    spread = f" ({workers} workers)" if workers > 1 else ""
+def run_start_line(run, nproc: int, files: int = 0) -> str:
+    """``files``: a single run's test files, each a job of its own (0: not counted)."""
+    spread = f" ({files} files)" if files > 1 else ""
     return f"   > {run_label(run.mode, nproc):<18} {' '.join(run.tests)}{spread}"
 
 

@@ -1,12 +1,12 @@
 """Run the selected phases in dependency order and decide each phase's status.
 
-A phase starts once every selected phase it stands on has passed (or been skipped). Its runs,
+A phase starts once every selected phase it stands on has passed (or been skipped). Its jobs,
 and those of other phases ready at the same time, share ``Options.jobs`` CPU slots: a torchrun
-run takes one per rank, a single run an xdist worker per three test files, as many as the
-slots that other phases at least as critical hold and other runs at least as critical wait for
-leave. Waiting runs start critical path
-first (see ``start_order``); the first waiting run starts on fewer slots than it wants rather
-than wait for them. Console output stays in dependency order.
+run is a job that takes a slot per rank, a single run a job per test file (a pytest session
+each) that takes one, merged into one result when its last file ends. Waiting jobs start
+critical path first (see ``start_order``) whenever a slot frees, so the files of the phases
+everything else waits for spread over every free slot; the first waiting job starts on fewer
+slots than it wants rather than wait for them. Console output stays in dependency order.
 
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
@@ -16,14 +16,15 @@ requirement, for ``mode`` filtering, or (``skip_empty``) for having no tests yet
 """
 from __future__ import annotations
 
+import shlex
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gates import flaky, report
-from gates.execute import RunResult, execute, kill_running, missing_requirements
-from gates.phases import Phase, count_test_files, defines_test, discover, has_tests, select, topological_order
+from gates.execute import RunResult, combine, execute, kill_running, missing_requirements, pytest_command
+from gates.phases import Phase, defines_test, discover, has_tests, select, test_targets, topological_order
 from gates.schema import FailureMode, Gate, GateError, Run
 
 PASS, FAIL, BLOCKED, SKIP = "PASS", "FAIL", "BLOCKED", "SKIP"
@@ -103,9 +104,8 @@ def missing_rule_tests(root: Path, gate: Gate) -> list[str]:
     return [r.test for r in gate.eager_gate if not defines_test(root, r.test)]
 
 
-def _attempt(root: Path, run: Run, nproc: int, workers: int, threads: int | None) -> RunResult:
-    """Execute ``run`` at ``nproc`` ranks (``workers`` pytest-xdist processes for a single run), or
-    say why it cannot run here."""
+def _attempt(root: Path, run: Run, nproc: int, threads: int | None) -> RunResult:
+    """Execute ``run`` at ``nproc`` ranks, or say why it cannot run here."""
     missing = missing_requirements(run, nproc)
     if missing:
         return RunResult(run.mode, nproc, run.tests, "skipped", f"requires {', '.join(missing)}")
@@ -114,16 +114,21 @@ def _attempt(root: Path, run: Run, nproc: int, workers: int, threads: int | None
         return RunResult(run.mode, nproc, run.tests, "empty", "no test files yet")
     if absent:
         return RunResult(run.mode, nproc, run.tests, "failed", f"missing test path(s): {', '.join(absent)}")
-    return execute(run, nproc, root, workers, threads)
+    return execute(run, nproc, root, threads)
 
 
 @dataclass
 class Job:
-    """One run of a phase at one rank count, waiting for CPU slots or running."""
+    """A torchrun run of a phase at one rank count, or one test file of a single run (``run``'s
+    tests that file alone, ``whole`` the run as the gate declares it), waiting for CPU slots or
+    running."""
     phase: str
-    index: int          # its place among the phase's runs (the report keeps that order)
+    index: int          # its run's place among the phase's runs (the report keeps that order)
     run: Run
     nproc: int
+    whole: Run | None = None   # a single run's file: the run it belongs to
+    started: float = 0.0       # time.monotonic() when it started and finished
+    finished: float = 0.0
     result: RunResult | None = None
 
 
@@ -140,13 +145,20 @@ def _phase_jobs(root: Path, gate: Gate, options: Options) -> tuple[PhaseResult, 
         result.status = FAIL
         result.reason = "eager-gate rule names no test: " + ", ".join(missing)
         return result, [], []
-    jobs, left_out = [], []
+    jobs, left_out, index = [], [], 0
     for run in runs:
+        if run.mode == "single":  # a job per file; one whole-run job when it cannot run (no files yet, ...)
+            files = test_targets(root, run.tests) if all(has_tests(root, t) for t in run.tests) else []
+            jobs += [Job(gate.id, index, replace(run, tests=(f,)), 1, run) for f in files] or \
+                [Job(gate.id, index, run, 1)]
+            index += 1
+            continue
         sizes = run.nproc or (1,)
-        if run.mode == "torchrun" and options.nproc is not None:
+        if options.nproc is not None:
             left_out += [n for n in sizes if n not in options.nproc]
             sizes = tuple(n for n in sizes if n in options.nproc)
-        jobs += [Job(gate.id, len(jobs), run, n) for n in sizes]
+        jobs += [Job(gate.id, index + i, run, n) for i, n in enumerate(sizes)]
+        index += len(sizes)
     if not jobs:
         result.status, result.reason = SKIP, f"no runs at nproc {', '.join(map(str, options.nproc or ()))}"
     return result, jobs, left_out
@@ -229,24 +241,20 @@ def critical(job: Job, paths: dict[str, int], chains: dict[str, int]) -> tuple[i
 def start_order(job: Job, paths: dict[str, int], chains: dict[str, int], order: list[str]) -> tuple:
     """Sort key of a waiting job: the phases on the longest dependency path first (the critical
     path: the last phase of a gate run waits on every phase of it), then those with the longest
-    chain standing on them, then in dependency order; within a phase the single run (most of a
-    phase's tests; it spreads its files over xdist workers when it starts) before the torchrun
-    runs, most ranks first."""
+    chain standing on them, then in dependency order; within a phase the single runs' files in
+    order (most of a phase's tests), then the torchrun runs, most ranks first."""
     return (tuple(-x for x in critical(job, paths, chains)), order.index(job.phase), job.run.mode != "single",
             -job.nproc)
 
 
-FILES_PER_WORKER = 3  # an xdist worker costs a process start (torch and the test modules imported again)
-
-
-def _slots(job: Job, root: Path, rivals: int, jobs: int) -> int:
-    """CPU slots ``job`` wants: a torchrun run one per rank (at most every slot); a single run one
-    xdist worker per ``FILES_PER_WORKER`` test files, up to the slots that ``rivals`` (the slots
-    held by other phases at least as critical, and one for each other job waiting that is at least
-    as critical, its own phase's torchrun runs included) leave it, at least one."""
-    if job.run.mode == "torchrun":
-        return min(job.nproc, jobs)
-    return max(1, min(jobs - rivals, count_test_files(root, job.run.tests) // FILES_PER_WORKER))
+def run_result(root: Path, jobs: list[Job]) -> RunResult:
+    """The result of one run of a phase from its finished jobs: a torchrun run's own, a single
+    run's files merged (its time from the first file's start to the last one's end)."""
+    if jobs[0].whole is None:
+        return jobs[0].result
+    whole = jobs[0].whole
+    return combine(whole, [j.result for j in jobs], shlex.join(pytest_command(whole, 1, root)),
+                   max(j.finished for j in jobs) - min(j.started for j in jobs))
 
 
 def run_gates(root: Path, options: Options) -> list[PhaseResult]:
@@ -266,6 +274,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
     started: dict[str, tuple[PhaseResult, list[Job], list[int], float, str]] = {}  # result, jobs, --nproc
     # sizes left out, start time, a note when it runs although a dependency failed (--keep-going)
     queue: list[Job] = []
+    run_results: dict[tuple[str, int], RunResult] = {}   # finished runs by (phase, index)
     running: dict[Future, tuple[Job, int]] = {}
     free = max(1, options.jobs)
     threads = 1 if options.jobs > 1 else None  # side by side, each process keeps to its own core
@@ -280,7 +289,7 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
         """Judge a started phase whose jobs have all finished (or that had none to run)."""
         res, jobs, left_out, began, although = started[pid]
         if jobs:
-            res.runs = [j.result for j in jobs]
+            res.runs = [run_results[pid, i] for i in sorted({j.index for j in jobs})]
             res.duration_s = round(time.monotonic() - began, 2)
             _judge_phase(res, gates[pid][1], options, left_out)
         res.reason = "; ".join(x for x in (res.reason, although) if x)
@@ -313,27 +322,30 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
                 for job in list(queue):
                     if free < 1:
                         break
-                    level = critical(job, paths, chains)
-                    rivals = sum(taken for j, taken in running.values()
-                                 if j.phase != job.phase and critical(j, paths, chains) >= level) + \
-                        sum(1 for j in queue if j is not job and critical(j, paths, chains) >= level)
-                    want = _slots(job, root, rivals, options.jobs)
+                    want = min(job.nproc, options.jobs)   # a slot per rank; a file one
                     if want > free and job is not queue[0]:
                         continue
                     queue.remove(job)
-                    workers = want if job.run.mode == "single" else 1
                     want = min(want, free)  # the first waiting job starts on what is free
                     free -= want
-                    output.say(job.phase, report.run_start_line(job.run, job.nproc, workers))
-                    future = pool.submit(_attempt, root, job.run, job.nproc, workers, threads)
+                    jobs = started[job.phase][1]
+                    if not any(j.started for j in jobs if j.index == job.index):  # the run's first job
+                        files = sum(1 for j in jobs if j.index == job.index) if job.whole else 0
+                        output.say(job.phase, report.run_start_line(job.whole or job.run, job.nproc, files))
+                    job.started = time.monotonic()
+                    future = pool.submit(_attempt, root, job.run, job.nproc, threads)
                     running[future] = (job, want)
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in sorted(done, key=lambda f: list(gates).index(running[f][0].phase)):
                     job, want = running.pop(future)
                     free += want
-                    job.result = future.result()
-                    output.say(job.phase, report.run_line(job.result))
-                    if all(j.result is not None for j in started[job.phase][1]):
+                    job.result, job.finished = future.result(), time.monotonic()
+                    jobs = started[job.phase][1]
+                    same_run = [j for j in jobs if j.index == job.index]
+                    if all(j.result is not None for j in same_run):
+                        run_results[job.phase, job.index] = run_result(root, same_run)
+                        output.say(job.phase, report.run_line(run_results[job.phase, job.index]))
+                    if all(j.result is not None for j in jobs):
                         finish_phase(job.phase)
                 start_ready_phases()
         except BaseException:

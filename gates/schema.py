@@ -24,7 +24,9 @@ class GateError(ValueError):
 
 @dataclass(frozen=True)
 class Run:
-    """One pytest invocation: ``single`` once, ``torchrun`` once per entry of ``nproc``."""
+    """One pytest run: ``single`` once (a pytest session per test file), ``torchrun`` once per entry of
+    ``nproc``. ``timeout_s`` bounds a torchrun run's ranks, and each test file's session of a
+    single run."""
     mode: str
     tests: tuple[str, ...]
     nproc: tuple[int, ...] = ()

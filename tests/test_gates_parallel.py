@@ -1,7 +1,8 @@
 """The runner's CPU slots (``python -m gates run --jobs N``) and its flake detector
 (``--repeat N --load``), on temporary phase trees: independent phases really run side by side,
 a phase still waits for what it stands on, output stays in dependency order, a single run
-spreads its files over xdist workers, and a test whose outcome changes between repeats is named.
+spreads its files over free slots (a pytest session each, forked from the pre-importing server,
+running its own tree's code), and a test whose outcome changes between repeats is named.
 Concurrency is shown by behaviour (each test waits for the other's file), never by timing."""
 from __future__ import annotations
 
@@ -79,48 +80,118 @@ def test_a_phase_blocked_by_a_failure_never_runs_beside_others(tmp_path):
     assert (tmp_path / "order.log").read_text().split() == ["03"]
 
 
-# Records the xdist worker it ran in (none: the run was not spread).
+# Records the process it ran in, marks that its file started, then polls (30 s hang guard) until
+# another file of the phase has started too: the first file passes only when a second one ran
+# beside it.
 WHERE = """
 import os
+import time
 from pathlib import Path
+
+HERE = Path(__file__).parent
 
 
 def test_where():
-    (Path(__file__).parent / (Path(__file__).stem + ".worker")).write_text(os.environ.get("PYTEST_XDIST_WORKER", ""))
+    (HERE / (Path(__file__).stem + ".pid")).write_text(str(os.getpid()))
+    (HERE / (Path(__file__).stem + ".started")).write_text("")
+    deadline = time.monotonic() + 30
+    while len(list(HERE.glob("*.started"))) < 2:
+        assert time.monotonic() < deadline, "no other file of the phase ran beside this one"
+        time.sleep(0.05)
+"""
+
+# Fails when another file of the phase is running at the same time.
+ALONE = """
+import os
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def test_alone():
+    mine = HERE / (Path(__file__).stem + ".running")
+    mine.write_text("")
+    others = [p.name for p in HERE.glob("*.running") if p != mine]
+    time.sleep(0.3)
+    mine.unlink()
+    assert not others, others
 """
 
 
 def test_a_single_run_spreads_its_files_over_free_slots(tmp_path):
-    """One phase, six test files, two slots: two xdist workers (one per three files), every test
-    ran in a worker, and the report still holds every test (the xdist controller writes the
-    results, the workers none)."""
+    """One phase, six test files, two slots: every file ran in a pytest session of its own (six
+    processes, none of them the runner), two at a time (the first file waits for a second to
+    start), and the report holds every test under the one run the gate declares."""
     write_phase(tmp_path, "01", gate("01"), {f"test_where_{i}.py": WHERE for i in range(6)})
     code, out, report = run_cli(tmp_path, "--jobs", "2")
     (run,) = by_id(report)["01"]["runs"]
     assert code == 0, out
-    assert run["workers"] == 2 and "-n 2 --dist loadfile" in run["command"]
+    assert run["files"] == 6 and run["status"] == "passed" and "(6 files)" in out
     assert sorted(t["nodeid"] for t in run["test_results"]) == [
         f"phases/01_p/test_where_{i}.py::test_where" for i in range(6)]
-    workers = {(tmp_path / "phases/01_p" / f"test_where_{i}.worker").read_text() for i in range(6)}
-    assert workers <= {"gw0", "gw1"} and workers
-
-
-def test_a_run_of_few_files_is_not_spread(tmp_path):
-    """Two files are not worth a second worker's start: one process, no xdist."""
-    write_phase(tmp_path, "01", gate("01"), {f"test_where_{i}.py": WHERE for i in range(2)})
-    code, out, report = run_cli(tmp_path, "--jobs", "2")
-    (run,) = by_id(report)["01"]["runs"]
-    assert code == 0, out
-    assert run["workers"] == 1 and " -n " not in run["command"]
-    assert {(tmp_path / "phases/01_p" / f"test_where_{i}.worker").read_text() for i in range(2)} == {""}
+    pids = {(tmp_path / "phases/01_p" / f"test_where_{i}.pid").read_text() for i in range(6)}
+    assert len(pids) == 6 and str(os.getpid()) not in pids
+    assert " -n " not in run["command"] and run["command"].endswith("-m 'not torchrun' phases/01_p")
 
 
 def test_one_job_runs_one_thing_at_a_time(tmp_path):
-    write_phase(tmp_path, "01", gate("01"), {"test_a.py": "def test_a():\n    pass\n",
-                                             "test_b.py": "def test_b():\n    pass\n"})
-    code, _, report = run_cli(tmp_path, "--jobs", "1")
+    write_phase(tmp_path, "01", gate("01"), {f"test_alone_{i}.py": ALONE for i in range(3)})
+    code, out, report = run_cli(tmp_path, "--jobs", "1")
     (run,) = by_id(report)["01"]["runs"]
-    assert code == 0 and run["workers"] == 1 and " -n " not in run["command"]
+    assert code == 0 and run["files"] == 3 and run["counts"]["passed"] == 3, out
+
+
+def test_a_file_whose_session_dies_fails_the_run_naming_it(tmp_path):
+    """A test file that ends its process (a crash) writes no results: its file is reported as an
+    error with the exit code, the run fails, and the other files' tests still count."""
+    write_phase(tmp_path, "01", gate("01"), {"test_dies.py": "import os\n\n\ndef test_dies():\n    os._exit(3)\n",
+                                             "test_fine.py": "def test_fine():\n    pass\n"})
+    code, out, report = run_cli(tmp_path, "--jobs", "2")
+    (run,) = by_id(report)["01"]["runs"]
+    assert code == 1 and run["status"] == "failed" and run["counts"]["passed"] == 1
+    (failing,) = run["failing"]
+    assert failing["nodeid"] == "phases/01_p/test_dies.py" and failing["outcome"] == "error"
+    assert "exit code 3" in failing["message"]
+
+
+# Reports the tree its package was imported from.
+WHICH_TREE = """
+from pathlib import Path
+
+import treepkg
+
+
+def test_imports_its_own_tree():
+    assert Path(treepkg.__file__).resolve().is_relative_to(Path(__file__).resolve().parents[2])
+    assert treepkg.TREE == {tree!r}
+"""
+
+
+def test_each_tree_runs_its_own_code(tmp_path):
+    """Two trees with a package of the same name run one after another in one runner process (as
+    ``gates audit`` runs mutated copies): each session imports the package of its own tree, never
+    one the fork server or an earlier session imported."""
+    for name in ("a", "b"):
+        tree = tmp_path / name
+        write_phase(tree, "01", gate("01"), {"test_which.py": WHICH_TREE.format(tree=name)})
+        (tree / "treepkg").mkdir()
+        (tree / "treepkg" / "__init__.py").write_text(f"TREE = {name!r}\n")
+        code, out, report = run_cli(tree)
+        assert code == 0 and by_id(report)["01"]["status"] == "PASS", out
+
+
+def test_sessions_get_the_trees_cpu_variables(tmp_path):
+    """``[tool.gates] cpu-env`` in the tree's pyproject.toml reaches every session on a machine
+    without CUDA (and none with it)."""
+    import torch
+
+    want = "" if torch.cuda.is_available() else "on"
+    write_phase(tmp_path, "01", gate("01"), {"test_env.py": (
+        f"import os\n\n\ndef test_env():\n    assert os.environ.get('GATES_PROBE', '') == {want!r}\n")})
+    (tmp_path / "pyproject.toml").write_text('[tool.gates]\ncpu-env = {GATES_PROBE = "on"}\n')
+    code, out, report = run_cli(tmp_path)
+    assert code == 0, out
 
 
 def test_ordered_output_holds_a_later_phase_until_the_earlier_ones_finish(capsys):
@@ -174,8 +245,12 @@ def _wait_until(condition, what: str, timeout_s: float = 60) -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_busy_processes_end_with_the_block_and_with_their_parent():
+    def children() -> set[int]:
+        return {int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), os.getpid())}
+
+    before = children()   # what earlier tests left running here (a gate run's fork server)
     with flaky.cpu_load(2):
-        busy = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), os.getpid())]
+        busy = children() - before
         assert len(busy) == 2 and all(map(_alive, busy))
     assert not any(map(_alive, busy))
     # a runner killed inside the block: its busy process notices and ends by itself

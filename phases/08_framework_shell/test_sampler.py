@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.distributed import TPGroup
-from engine.layers.sampler import Sampler, _uniform_noise
+from engine.layers.sampler import Sampler, _mul32, _uniform_noise
 
 F64 = torch.float64
 
@@ -117,6 +117,16 @@ def test_top_k_and_top_p_never_leave_the_allowed_set():
             assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])}"
             seen[r].add(token)
     assert sum(len(s) for s in seen) > 2 * rows, "sampling collapsed to a few tokens"
+
+
+def test_mul32_is_the_exact_product_modulo_2_32():
+    """The noise hash's multiply keeps exactly the low 32 bits of x * c (Python's integers as truth)
+    at the extremes of its range, where the int64 product passes 2**63."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1], dtype=torch.int64),
+                   torch.randint(0, 2**32, (2000,), generator=gen, dtype=torch.int64)])
+    for c in (0x85EBCA6B, 0xC2B2AE35, 2**32 - 1, 1):
+        assert _mul32(x, c).tolist() == [(int(v) * c) % 2**32 for v in x.tolist()]
 
 
 def test_noise_stays_below_one_and_masked_tokens_are_never_drawn():
