@@ -20,11 +20,17 @@ server and in every session on a machine without CUDA (Triton picks its interpre
 
     cpu-env = {TRITON_INTERPRET = "1"}
 
+On a machine with CUDA the server imports nothing: some of these modules initialise CUDA when
+imported (on the H200 every forked session's first CUDA call then failed with "initialization
+error"), and a forked process cannot use a CUDA its parent initialised. Sessions there import what
+they need themselves, as fresh interpreters did (a GPU host has the cores for it).
+
 One server serves a runner process; the first tree that starts a session chooses its modules
 and variables (a later tree's list changes what is imported ahead, never what a session runs).
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -61,15 +67,19 @@ def gates_config(root: Path) -> dict:
         return tomllib.load(f).get("tool", {}).get("gates", {})
 
 
-def session_variables(root: Path) -> dict[str, str]:
-    """The variables every session of ``root`` gets beside the runner's: ``cpu-env`` on a machine
-    without CUDA (imports torch to ask: only when the tree names some), else none."""
-    wanted = gates_config(root).get("cpu-env", {})
-    if not wanted:
-        return {}
+@functools.cache
+def has_cuda() -> bool:
+    """Whether this machine has a CUDA device torch can use (imports torch in the runner, once)."""
     import torch
 
-    return {} if torch.cuda.is_available() else {k: str(v) for k, v in wanted.items()}
+    return torch.cuda.is_available()
+
+
+def session_variables(root: Path) -> dict[str, str]:
+    """The variables every session of ``root`` gets beside the runner's: ``cpu-env`` on a machine
+    without CUDA, else none."""
+    wanted = gates_config(root).get("cpu-env", {})
+    return {k: str(v) for k, v in wanted.items()} if wanted and not has_cuda() else {}
 
 
 def _server(root: Path) -> multiprocessing.context.BaseContext:
@@ -78,7 +88,7 @@ def _server(root: Path) -> multiprocessing.context.BaseContext:
     with _context_lock:
         if _context is None:
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(list(gates_config(root).get("preload", [])))
+            context.set_forkserver_preload([] if has_cuda() else list(gates_config(root).get("preload", [])))
             saved = dict(os.environ)
             os.environ.update(session_variables(root))   # the server inherits them when it starts
             try:
