@@ -49,7 +49,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._hash_to_block: dict[bytes, int] = {}
+        # hash -> the blocks holding that content (two sequences that computed the same prefix
+        # side by side hold a block each; one reused for other content must not hide the other)
+        self._hash_to_blocks: dict[bytes, dict[int, None]] = {}
         # request id -> chain hashes of its full blocks computed so far, and how many are published
         self._chains: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}
@@ -167,7 +169,7 @@ class BlockManager:
         for i in range(published, full):
             block_id, h = seq.block_table[i], chain[i]
             self._block_hash[block_id] = h
-            self._hash_to_block[h] = block_id
+            self._hash_to_blocks.setdefault(h, {})[block_id] = None
         self._drop_coming(chain, published, min(full, self._num_coming[seq.request_id]))
         self._num_published[seq.request_id] = full
 
@@ -210,10 +212,11 @@ class BlockManager:
         """Cached block ids for the leading hashes, never the block of the last prompt token."""
         hits = []
         for h in hashes[:self._num_shareable(seq)]:
-            block_id = self._hash_to_block.get(h)
-            if block_id is None:
+            holders = self._hash_to_blocks.get(h)
+            if not holders:
                 break
-            hits.append(block_id)
+            # a block in use costs no free block to share; a free one holding it is revived
+            hits.append(next((b for b in holders if self.ref_counts[b] > 0), next(iter(holders))))
         return hits
 
     def _num_shareable(self, seq: Sequence) -> int:
@@ -231,8 +234,11 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         old = self._block_hash[block_id]
-        if old is not None and self._hash_to_block.get(old) == block_id:
-            del self._hash_to_block[old]
+        if old is not None:
+            holders = self._hash_to_blocks[old]
+            del holders[block_id]
+            if not holders:
+                del self._hash_to_blocks[old]
         self._block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -168,6 +168,29 @@ def test_live_prefix_is_shared_by_reference():
     assert [bm.ref_counts[i] for i in a.block_table] == [2, 2, 1]
 
 
+def test_a_prefix_computed_twice_stays_cached_while_either_copy_lives():
+    """Two sequences admitted before either published compute the same prefix block each. When
+    the copy published last is freed and its block taken for other tokens, the other copy (still
+    in use) must still be found: a later prompt with that prefix hits it (found by the state
+    machine above: the hash pointed at one block only and was dropped with it)."""
+    bm = BlockManager(num_blocks=4, block_size=1)
+    a, b = Sequence([5, 6]), Sequence([5, 7])
+    bm.allocate(a)
+    bm.allocate(b)   # a not yet published: no hit, b computes its own copy of [5]
+    assert b.num_cached_tokens == 0 and a.block_table[0] != b.block_table[0]
+    bm.publish(a, 2)
+    bm.publish(b, 2)
+    bm.free(b)
+    c = Sequence([8, 9])
+    bm.allocate(c)   # takes both of b's blocks, its copy of [5] included
+    assert sorted(c.block_table) == sorted(set(range(4)) - set(a.block_table))
+    bm.free(c)
+    d = Sequence([5, 1])
+    bm.allocate(d)
+    assert d.num_cached_tokens == 1 and d.block_table[0] == a.block_table[0]
+    assert bm.ref_counts[a.block_table[0]] == 2
+
+
 def test_fully_cached_prompt_recomputes_its_last_block():
     """Rule: the block holding the last prompt token is never a hit, so the model
     always has at least one token to compute."""
