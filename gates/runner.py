@@ -211,25 +211,35 @@ class OrderedOutput:
                     print(line, flush=True)
 
 
-def chain_lengths(depends_on: dict[str, tuple[str, ...]]) -> dict[str, int]:
+def chain_lengths(depends_on: dict[str, tuple[str, ...]], weights: dict[str, int] | None = None) -> dict[str, int]:
     """For each phase of ``depends_on`` (its selected dependencies, in dependency order): the
-    number of phases on the longest chain of phases standing on it, itself included (1: nothing
-    stands on it)."""
+    weight of the heaviest chain of phases standing on it, itself included; a phase weighs
+    ``weights[phase]`` (default 1: the number of phases on the chain)."""
+    weights = weights or {}
     lengths: dict[str, int] = {}
     for pid in reversed(list(depends_on)):
         above = [lengths[q] for q, deps in depends_on.items() if pid in deps]
-        lengths[pid] = 1 + max(above, default=0)
+        lengths[pid] = weights.get(pid, 1) + max(above, default=0)
     return lengths
 
 
-def path_lengths(depends_on: dict[str, tuple[str, ...]]) -> dict[str, int]:
-    """For each phase of ``depends_on`` (as for ``chain_lengths``): the number of phases on the
-    longest dependency path through it (the longest chain it stands on, itself, and the longest
-    chain standing on it)."""
-    chains, depth = chain_lengths(depends_on), {}
+def path_lengths(depends_on: dict[str, tuple[str, ...]], weights: dict[str, int] | None = None) -> dict[str, int]:
+    """For each phase of ``depends_on`` (as for ``chain_lengths``): the weight of the heaviest
+    dependency path through it (the heaviest chain it stands on, itself, and the heaviest chain
+    standing on it)."""
+    weights = weights or {}
+    chains, depth = chain_lengths(depends_on, weights), {}
     for pid, deps in depends_on.items():
-        depth[pid] = 1 + max((depth[d] for d in deps), default=0)
-    return {pid: depth[pid] + chains[pid] - 1 for pid in depends_on}
+        depth[pid] = weights.get(pid, 1) + max((depth[d] for d in deps), default=0)
+    return {pid: depth[pid] + chains[pid] - weights.get(pid, 1) for pid in depends_on}
+
+
+def job_count(root: Path, gate: Gate) -> int:
+    """How many jobs ``gate``'s runs make (a test file of a single run or a torchrun run at one
+    size is one; at least 1): the weight of its phase on a dependency path, each job taken as a
+    unit of work (its duration is not known before it runs)."""
+    return max(1, sum(len(test_targets(root, r.tests)) if r.mode == "single" else len(r.nproc or (1,))
+                      for r in gate.runs))
 
 
 def critical(job: Job, paths: dict[str, int], chains: dict[str, int]) -> tuple[int, int]:
@@ -239,9 +249,9 @@ def critical(job: Job, paths: dict[str, int], chains: dict[str, int]) -> tuple[i
 
 
 def start_order(job: Job, paths: dict[str, int], chains: dict[str, int], order: list[str]) -> tuple:
-    """Sort key of a waiting job: the phases on the longest dependency path first (the critical
-    path: the last phase of a gate run waits on every phase of it), then those with the longest
-    chain standing on them, then in dependency order; within a phase the single runs' files in
+    """Sort key of a waiting job: the phases on the heaviest dependency path first, by jobs (the
+    critical path: the last phase of a gate run waits on every phase of it), then those with the
+    heaviest chain standing on them, then in dependency order; within a phase the single runs' files in
     order (most of a phase's tests), then the torchrun runs, most ranks first."""
     return (tuple(-x for x in critical(job, paths, chains)), order.index(job.phase), job.run.mode != "single",
             -job.nproc)
@@ -269,7 +279,8 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
     gates = {gate.id: (phase, gate) for phase, gate in ordered}
     output = OrderedOutput(list(gates))
     selected_deps = {i: tuple(d for d in g.depends_on if d in gates) for i, (_, g) in gates.items()}
-    chains, paths = chain_lengths(selected_deps), path_lengths(selected_deps)
+    weights = {i: job_count(root, g) for i, (_, g) in gates.items()}
+    chains, paths = chain_lengths(selected_deps, weights), path_lengths(selected_deps, weights)
     results: dict[str, PhaseResult] = {}      # decided phases
     started: dict[str, tuple[PhaseResult, list[Job], list[int], float, str]] = {}  # result, jobs, --nproc
     # sizes left out, start time, a note when it runs although a dependency failed (--keep-going)
