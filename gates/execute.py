@@ -1,8 +1,8 @@
 """Execute one run of a gate as pytest sessions and collect its per-test results.
 
-``single``: a session per test file (or node id) of the run, each ``pytest -m "not torchrun"
-<file>`` (the isolation of ``pytest -n W --dist loadfile``); the runner gives each file a job of its
-own, so a phase's files spread over whatever CPU slots are free, and ``combine`` merges them.
+``single``: one session, ``pytest -m "not torchrun" <tests>``; the runner gives each test file a
+job of its own (the isolation of ``pytest -n W --dist loadfile``), so a phase's files spread over
+whatever CPU slots are free, and ``combine`` merges them.
 ``torchrun``: N ranks, each ``pytest -m torchrun <tests>`` with torchrun's variables, its
 rendezvous on a store bound to a port the system chose.
 Sessions are forked from a server that imported the heavy modules once (``gates.forks``); the
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import gates
 from gates.forks import Session, rank_environments, session_variables, start
-from gates.phases import test_targets
 from gates.schema import Run
 
 COUNT_KEY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors"}
@@ -170,9 +169,9 @@ def merge_ranks(rank_files: list[dict]) -> tuple[dict[str, dict], list[dict]]:
 
 
 def execute(run: Run, nproc: int, root: Path, threads: int | None = None) -> RunResult:
-    """Run ``run`` under ``root``: a single run as a pytest session per test file (or node id), one
-    after another (the runner gives each file a job of its own and merges them with ``combine``);
-    a torchrun run as ``nproc`` ranks side by side. Sessions are forked from the pre-importing
+    """Run ``run`` under ``root``: a single run as one pytest session (the runner gives each test
+    file a job of its own and merges them with ``combine``); a torchrun run as ``nproc`` ranks side
+    by side. Sessions are forked from the pre-importing
     server (``gates.forks``), each at ``threads`` OpenMP threads (None: torch's default; ranks 1,
     as torchrun gives them). Stops every rank once one fails; kills everything after
     ``run.timeout_s``. ``result.command`` is the plain command line that reproduces the run."""
@@ -183,14 +182,8 @@ def execute(run: Run, nproc: int, root: Path, threads: int | None = None) -> Run
         base = {**_child_env(tmp, threads), **session_variables(root)}
         args = ("-p", "gates.pytest_plugin", "-p", "no:cacheprovider", "--rootdir", str(root), "-q", "-rfE")
         if run.mode == "single":
-            targets = test_targets(root, run.tests)
-            sessions = [Session((*args, "-m", "not torchrun", target),
-                                {**base, "GATES_RESULT_DIR": str(Path(tmp, str(i)))}, Path(tmp, f"{i}.log"), threads)
-                        for i, target in enumerate(targets)]
-            for i in range(len(targets)):
-                Path(tmp, str(i)).mkdir()
+            sessions = [Session((*args, "-m", "not torchrun", *run.tests), base, Path(tmp, "session.log"), threads)]
             at_once, fail_fast = 1, False
-            result.files = len(targets)
         else:
             store, ranks = rank_environments(nproc)
             sessions = [Session((*args, "-m", "torchrun", *run.tests), {**base, **rank},
@@ -204,11 +197,8 @@ def execute(run: Run, nproc: int, root: Path, threads: int | None = None) -> Run
         result.output_tail = "".join(text for _, text in sorted(logs, key=lambda x: x[0] not in (0, PYTEST_NO_TESTS)))[
             -OUTPUT_TAIL_CHARS:]
         if run.mode == "single":
-            result.returncode = _single_code(codes)
-            rank_files = [_session_results(Path(tmp, str(i)), target, code)
-                          for i, (target, code) in enumerate(zip(targets, codes))]
-            rank_files = [{"rank": 0, "exitstatus": result.returncode,
-                           "tests": [t for f in rank_files for t in f["tests"]]}]
+            result.returncode = -1 if codes[0] is None else codes[0]
+            rank_files = [_session_results(Path(tmp), " ".join(run.tests), result.returncode)]
         else:
             result.returncode = next((c for c in codes if c not in (0, None)), 0)
             rank_files = [json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")]
@@ -255,15 +245,15 @@ def _take_ranks(result: RunResult, rank_files: list[dict], expected_ranks: int) 
     result.reason = result.reason or reason
 
 
-def _session_results(result_dir: Path, target: str, code: int | None) -> dict:
+def _session_results(result_dir: Path, target: str, code: int) -> dict:
     """The results a single run's session wrote, or, when it wrote none (it crashed or was killed),
     an error that names its target and exit code."""
     written = result_dir / "rank0.json"
     if written.exists():
         return json.loads(written.read_text())
     message = f"the pytest session of {target} ended with exit code {code} and wrote no results (see the output)"
-    return {"tests": [{"nodeid": target, "outcome": "error", "duration_s": 0.0, "message": message,
-                       "failed_at": time.time()}]}
+    return {"rank": 0, "exitstatus": code, "tests": [{"nodeid": target, "outcome": "error", "duration_s": 0.0,
+                                                      "message": message, "failed_at": time.time()}]}
 
 
 def _single_code(codes: list[int | None]) -> int:
