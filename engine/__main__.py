@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from engine.bench import add_bench_command
+from engine.distributed import close_tp_distributed
 from engine.generate import add_generate_command
 from engine.server.app import add_serve_command
 
@@ -22,10 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_command(commands)
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if code == 0:  # under torchrun: every rank leaves the group it joined before the interpreter ends
+        close_tp_distributed()
+    return code
 
 
 if __name__ == "__main__":

@@ -69,6 +69,16 @@ def init_tp_distributed(timeout_s: float = 300.0) -> TPGroup:
     return _groups["tp"]
 
 
+def close_tp_distributed() -> None:
+    """Leave the process group ``init_tp_distributed`` joined (``destroy_process_group``: its
+    connections closed and its threads joined now, while the interpreter still runs, not in its
+    teardown) and forget the named groups. For a rank that ended cleanly; a rank that failed may
+    leave a peer inside a collective and should just exit. A no-op without a process group."""
+    _groups.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def get_tp_group() -> TPGroup:
     """The TP group set by ``init_tp_distributed``, or ``TPGroup()`` (rank 0 of 1)."""
     return _groups.get("tp", TPGroup())

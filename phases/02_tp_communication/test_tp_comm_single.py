@@ -39,6 +39,23 @@ def test_single_process_init_returns_at_once(world_size):
     assert done.stdout.split() == ["0", "1", "None", "False", "True"]
 
 
+CLOSE_PROBE = ("import torch.distributed as dist; from engine.distributed import TPGroup, close_tp_distributed, "
+               "get_tp_group, init_tp_distributed; tp = init_tp_distributed(timeout_s=30); close_tp_distributed(); "
+               "print('rank', tp.rank, 'of', tp.size, 'left:', not dist.is_initialized(), get_tp_group() == TPGroup())")
+
+
+def test_close_leaves_the_group_on_every_rank(tmp_path):
+    """Two torchrun ranks join and leave: afterwards no process group and the one-rank default,
+    and both exit 0 (the end of every ``python -m engine`` command under torchrun)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(CLOSE_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(probe)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"rank {r} of 2 left: True True" for r in range(2)], done.stdout
+
+
 @pytest.mark.parametrize("gpus, want_backend", [(0, "gloo"), (1, "gloo"), (2, "cpu:gloo,cuda:nccl")])
 def test_ranks_use_nccl_only_with_a_gpu_for_every_local_rank(monkeypatch, gpus, want_backend):
     """Two local ranks: NCCL (each on cuda:LOCAL_RANK) only where the host has two GPUs; with one
