@@ -1,6 +1,7 @@
 """FP8 on the GPU: the GEMMs against bf16 cuBLAS, and FP8 against bf16 on the same random weights.
 
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
+    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
 ``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
@@ -10,6 +11,13 @@ refuses the shape), microseconds per call (CUDA events around CUDA-graph replays
 and TB/s of weight bytes at M = 1. Up to 16 rows also the launch shape the decode plan chose
 (``fp8_triton_config``: the GEMM's ``GemmConfig`` or the GEMV's ``Fp8GemvConfig``), every
 candidate's time (``fp8_candidates_us``) and the unsplit GEMM's (``fp8_unsplit_us``).
+
+``gemv``: each decoder linear shape at a decode row count, timed as a decode step meets it: a CUDA
+graph of one call per copy of the weight, enough copies to pass 400 MB (every call reads its
+weight from HBM, none from L2; a single weight timed alone would be one launch's latency, and
+repeated it would sit in the 50 MB L2): bf16 cuBLAS and every FP8 decode launch shape (the GEMM's
+split-K, the FMA GEMV's, the MMA GEMV's), microseconds per call and TB/s of weight bytes, beside
+the launch ``decode_plan`` chose at load (timed there on one weight, repeated).
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -78,6 +86,38 @@ def bench_gemm(preset: dict, row_counts: list[int]) -> list[dict]:
     return rows
 
 
+def step_like_us(calls) -> float:
+    """Microseconds per call of ``calls`` (one per weight copy) replayed in one CUDA graph."""
+    return elapsed_ms(lambda: [call() for call in calls], 10, torch.device("cuda")) * 1000 / len(calls)
+
+
+def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
+    rows = []
+    layer, _ = dense_linear_shapes(preset)
+    for n, k in layer:
+        copies = -(-400_000_000 // (n * k))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        quantized = [fp8.quantize_weight(w) for w in weights]
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"n": n, "k": k, "m": m, "copies": copies,
+                   "bf16_us": step_like_us([lambda w=w: F.linear(x, w) for w in weights])}
+            chosen = decode_plan(x, *quantized[0], None)
+            row["plan"] = f"{type(chosen).__name__}{tuple(chosen)}"
+            times = {}
+            for config in _decode_runs(x, *quantized[0], None):
+                times[f"{type(config).__name__}{tuple(config)}"] = step_like_us(
+                    [lambda q=q, s=s, config=config: triton_fp8.fp8_linear(x, q, s, config=config) for q, s in quantized])
+            best = min(times, key=times.get)
+            row.update(fp8_plan_us=times[row["plan"]], fp8_best=best, fp8_best_us=times[best], fp8_us=times)
+            row.update(bf16_tb_s=2 * n * k / row["bf16_us"] / 1e6, fp8_best_tb_s=n * k / times[best] / 1e6,
+                       fp8_plan_tb_s=n * k / times[row["plan"]] / 1e6)
+            rows.append(row)
+            print(json.dumps({key: value for key, value in row.items() if key != "fp8_us"}), file=sys.stderr)
+        del weights, quantized
+    return rows
+
+
 def build(preset: dict, quantization: str | None):
     from engine.loader import load_weights
     from engine.models.registry import build_model
@@ -115,19 +155,21 @@ def bench_agreement(preset: dict, prompts: int, prompt_len: int, tokens: int) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["gemm", "agreement"])
+    parser.add_argument("what", choices=["gemm", "gemv", "agreement"])
     parser.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 256, 4096],
-                        help="gemm: the row counts (M) to time")
+                        help="gemm, gemv: the row counts (M) to time (gemv: the decode launches', at most 16)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     report = {"preset": args.preset, "device": torch.cuda.get_device_name()}
     if args.what == "gemm":
         report["gemm"] = bench_gemm(preset, args.rows)
+    elif args.what == "gemv":
+        report["gemv"] = bench_gemv(preset, [m for m in args.rows if m <= MAX_ROWS])
     else:
         report["agreement"] = bench_agreement(preset, args.prompts, args.prompt_len, args.tokens)
     text = json.dumps(report, indent=1)

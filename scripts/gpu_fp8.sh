@@ -8,6 +8,9 @@
 #
 #   tests      phase 12's cuda tests (Triton kernels in bf16, CUDA-graph replay, the scaled_mm switch),
 #              then the whole phase through its gate
+#   decode     the decode launches' cuda tests (the GEMM's split-K, the FMA and MMA GEMVs), then
+#              scripts/bench_fp8.py gemv: Qwen3-8B shapes at M = 1 and 8 as a decode step meets them
+#              (weights from HBM), bf16 cuBLAS vs every FP8 decode launch vs the one decode_plan chose
 #   kernels    scripts/bench_fp8.py gemm: Qwen3-8B shapes at M = 1, 8, 16, 256, 4096, bf16 cuBLAS vs FP8 Triton
 #              (and its unsplit GEMM up to 16 rows) vs FP8 scaled_mm
 #   agreement  scripts/bench_fp8.py agreement: FP8 vs bf16 on the same random Qwen3-8B weights
@@ -25,6 +28,16 @@ tests() {
     echo "cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/tests.log")"
     timeout 120 python3 -m gates run --only 12 --report "$OUT/gate-report-12.json" > "$OUT/gate12.log" 2>&1
     echo "gate 12 rc=$? at $SECONDS s"
+}
+
+decode() {
+    fits 300 decode || return
+    timeout 150 python3 -m pytest phases/12_quantization/test_fp8_mma_gemv.py phases/12_quantization/test_fp8_gemv.py \
+        phases/12_quantization/test_fp8_decode.py -m cuda -q -p no:cacheprovider > "$OUT/decode_tests.log" 2>&1
+    echo "decode cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/decode_tests.log")"
+    timeout 240 python3 scripts/bench_fp8.py gemv --rows 1 8 --json "$OUT/fp8_gemv.json" > /dev/null \
+        2> "$OUT/gemv.log"
+    echo "fp8 gemv rc=$? at $SECONDS s"
 }
 
 kernels() {
@@ -104,6 +117,6 @@ PY
 }
 
 for s in ${*:-tests kernels agreement summary}; do
-    case $s in tests | kernels | agreement | qwen3 | throughput | v2lite | summary) "$s" ;;
-        *) echo "unknown section $s (tests, kernels, agreement, qwen3, throughput, v2lite, summary)"; exit 2 ;; esac
+    case $s in tests | decode | kernels | agreement | qwen3 | throughput | v2lite | summary) "$s" ;;
+        *) echo "unknown section $s (tests, decode, kernels, agreement, qwen3, throughput, v2lite, summary)"; exit 2 ;; esac
 done

@@ -39,9 +39,10 @@ def test_single_process_init_returns_at_once(world_size):
     assert done.stdout.split() == ["0", "1", "None", "False", "True"]
 
 
-CLOSE_PROBE = ("import torch.distributed as dist; from engine.distributed import TPGroup, close_tp_distributed, "
-               "get_tp_group, init_tp_distributed; tp = init_tp_distributed(timeout_s=30); close_tp_distributed(); "
-               "print('rank', tp.rank, 'of', tp.size, 'left:', not dist.is_initialized(), get_tp_group() == TPGroup())")
+CLOSE_PROBE = ("import sys, torch.distributed as dist; from pathlib import Path; from engine.distributed import "
+               "TPGroup, close_tp_distributed, get_tp_group, init_tp_distributed; tp = init_tp_distributed(timeout_s=30); "
+               "close_tp_distributed(); Path(sys.argv[1], f'rank{tp.rank}').write_text("
+               "f'{tp.size} {not dist.is_initialized()} {get_tp_group() == TPGroup()}')")
 
 
 def test_close_leaves_the_group_on_every_rank(tmp_path):
@@ -51,9 +52,9 @@ def test_close_leaves_the_group_on_every_rank(tmp_path):
     probe.write_text(CLOSE_PROBE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(probe)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+                           str(probe), str(tmp_path)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == [f"rank {r} of 2 left: True True" for r in range(2)], done.stdout
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 True True"] * 2  # size, left, default
 
 
 @pytest.mark.parametrize("gpus, want_backend", [(0, "gloo"), (1, "gloo"), (2, "cpu:gloo,cuda:nccl")])

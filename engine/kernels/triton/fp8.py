@@ -11,10 +11,11 @@ Decode (up to ``gemv.MAX_ROWS`` rows): one 16-row tile would leave only N / BLOC
 looping over all of K, so the K loop is split too (``SPLIT_K`` runs of whole 128-column groups,
 one launch): each program stores its float32 partial sums and the last split of a column block
 to arrive adds them in split order, then the bias (``semaphores.arrive_last``: deterministic, no
-memset, graph-safe). Up to ``fp8_gemv.MAX_ROWS`` rows the FP8 GEMV (``fp8_gemv.py``: FMAs over a
-tile of just the rows there are, no padding to 16) is a candidate too. The launch is timed once
-per shape on CUDA among ``DECODE_CANDIDATES`` (the unsplit GEMM included) and the GEMV's
-(``decode_plan``, ``gemv.fastest``).
+memset, graph-safe). Up to ``fp8_gemv.MAX_ROWS`` rows the FP8 GEMVs are candidates too
+(``fp8_gemv.py``: FMAs over a tile of just the rows there are, no padding to 16;
+``fp8_mma_gemv.py``: the weight as the MMA's large side, only the real rows quantized). The
+launch is timed once per shape on CUDA among ``DECODE_CANDIDATES`` (the unsplit GEMM included)
+and the GEMVs' (``decode_plan``, ``gemv.fastest``).
 
 Experts: up to ``fp8_gemv.MAX_ROWS`` tokens the GEMV takes them, one program per assignment reading
 its expert in place; beyond, assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
@@ -41,10 +42,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, GROUP, weight_block_rows
-from engine.kernels.triton import fp8_gemv
-from engine.kernels.triton.fp8_tiles import quantize_tile, store_out
+from engine.kernels.triton import fp8_gemv, fp8_mma_gemv
+from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
-from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
+from engine.kernels.triton.semaphores import zeroed_counters
 
 GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: scaled_mm for prefill on sm90; "triton" or "scaled_mm" forces one
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
@@ -115,18 +116,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
         w_scale = tl.load(w_scale_rows + k0 // BLOCK_K, mask=col_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K > 1:  # rows of a, not gathered: partials [SPLIT_K, m, n], the last split adds them in order
-        tl.store(part_ptr + (split * m + out_rows[:, None]) * n + cols[None, :], acc, mask=out_mask)
-        if arrive_last(counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(part_ptr + (s * m + out_rows[:, None]) * n + cols[None, :], mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-            store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
-                       out_mask, HAS_BIAS)
-    else:
-        store_out(acc, bias_ptr, out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok,
-                   out_mask, HAS_BIAS)
+    # split (rows of a, not gathered): partials [SPLIT_K, m, n], the last split adds them in order
+    finish_split(acc, split, part_ptr + out_rows[:, None] * n + cols[None, :], m * n,
+                 counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), bias_ptr,
+                 out_ptr + out_rows[:, None] * out_stride + cols[None, :], cols, col_ok, out_mask, HAS_BIAS, SPLIT_K)
 
 
 class GemmConfig(NamedTuple):
@@ -155,15 +148,16 @@ DECODE_CANDIDATES = [_block_sizes(1)] + [GemmConfig(16, block_n, split_k, warps,
                                          [(32, 4, 4), (64, 4, 4), (32, 8, 4), (64, 8, 4), (128, 4, 4), (128, 8, 4),
                                           (128, 16, 4), (64, 16, 4), (256, 4, 8), (256, 8, 8)]]
 DECODE_DEFAULT = GemmConfig(16, 32, 2, 4, 3)  # without CUDA (the interpreter), past the GEMV's rows: split
-_DECODE_PLANS: dict[tuple, GemmConfig | fp8_gemv.Fp8GemvConfig] = {}
+DecodeConfig = GemmConfig | fp8_gemv.Fp8GemvConfig | fp8_mma_gemv.Fp8MmaGemvConfig
+_DECODE_PLANS: dict[tuple, DecodeConfig] = {}
 
 
 def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> GemmConfig | fp8_gemv.Fp8GemvConfig:
+                bias: torch.Tensor | None) -> DecodeConfig:
     """The launch for ``a [M <= gemv.MAX_ROWS, K]`` against this weight: on CUDA the fastest of
-    ``DECODE_CANDIDATES`` and of the GEMV's (``fp8_gemv.CANDIDATES`` whose tile fits M rows) on
-    this shape, timed once per shape (``gemv.fastest``; inside a capture an unmeasured shape
-    keeps the unsplit GEMM); elsewhere (the interpreter) the GEMV's default up to its rows,
+    ``DECODE_CANDIDATES``, of the FMA GEMV's (``fp8_gemv.CANDIDATES`` whose tile fits M rows) and
+    of the MMA GEMV's (``fp8_mma_gemv.CANDIDATES``, up to its rows) on this shape, timed once per
+    shape (``gemv.fastest``; inside a capture an unmeasured shape keeps the unsplit GEMM); elsewhere (the interpreter) the GEMV's default up to its rows,
     ``DECODE_DEFAULT`` beyond."""
     rows = a.shape[0]
     if a.device.type != "cuda":
@@ -175,6 +169,8 @@ def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def _decode_runs(a, weight, weight_scale, bias) -> dict:
     """Every decode candidate that fits ``a``'s rows -> a call running ``fp8_linear`` with it."""
     gemvs = [config for config in fp8_gemv.CANDIDATES if fp8_gemv.fits(config, a.shape[0])]
+    if fp8_mma_gemv.fits(a.shape[0]):
+        gemvs += fp8_mma_gemv.CANDIDATES
     return {config: lambda config=config: fp8_linear(a, weight, weight_scale, bias, config)
             for config in DECODE_CANDIDATES + gemvs}
 
@@ -202,10 +198,10 @@ def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None,
-               config: GemmConfig | fp8_gemv.Fp8GemvConfig | None = None) -> torch.Tensor:
+               config: DecodeConfig | None = None) -> torch.Tensor:
     """See ``engine.kernels.fp8.fp8_linear``. ``config`` (None: ``decode_plan`` up to
-    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch: the GEMV
-    (``fp8_gemv``) for its configs, else the GEMM."""
+    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch: a GEMV (``fp8_gemv``,
+    ``fp8_mma_gemv``) for their configs, else the GEMM."""
     a = x.reshape(-1, x.shape[-1])
     m, n = a.shape[0], weight.shape[0]
     if _takes_scaled_mm(a, weight, weight_scale):
@@ -218,6 +214,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         config = decode_plan(a, weight, weight_scale, bias) if m <= MAX_ROWS else _block_sizes(m)
     if isinstance(config, fp8_gemv.Fp8GemvConfig):
         fp8_gemv.launch(a, weight, weight_scale, bias, out, config)
+    elif isinstance(config, fp8_mma_gemv.Fp8MmaGemvConfig):
+        fp8_mma_gemv.launch(a, weight, weight_scale, bias, out, config)
     else:
         _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, config.block_m), config)
     return out.view(*x.shape[:-1], n)

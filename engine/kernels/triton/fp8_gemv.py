@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import GROUP, weight_block_rows
-from engine.kernels.triton.fp8_tiles import quantize_tile, store_out
-from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
+from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
+from engine.kernels.triton.semaphores import zeroed_counters
 
 MAX_ROWS = 8  # beyond, x's rows times the weight tile outgrow the tensor cores of the GEMM
 _GROUP = tl.constexpr(GROUP)  # one activation group, one weight scale column
@@ -117,17 +117,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, counters
             acc += tl.where(rows[:, None] == r, row_sum[None, :], 0.0)
     out_mask = row_ok[:, None] & (cols < N)[None, :]  # a -1 assignment's zeros are stored too
     out_ptrs = out_ptr + (out_first + rows[:, None]).to(tl.int64) * out_stride + cols[None, :]
-    if SPLIT_K > 1:  # plain rows only (GATHER launches one split)
-        part_offsets = (split * BLOCK_M + rows[:, None]) * N + cols[None, :]
-        tl.store(part_ptr + part_offsets, acc, mask=out_mask)
-        if arrive_last(counters_ptr + block, SPLIT_K):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(part_ptr + (s * BLOCK_M + rows[:, None]) * N + cols[None, :], mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-            store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS)
-    else:
-        store_out(acc, bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS)
+    finish_split(acc, split, part_ptr + rows[:, None] * N + cols[None, :], BLOCK_M * N, counters_ptr + block,
+                 bias_ptr, out_ptrs, cols, col_ok, out_mask, HAS_BIAS, SPLIT_K)  # GATHER: one split
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -1,0 +1,29 @@
+"""The FP8 decode GEMV on the tensor cores (``engine.kernels.triton.fp8_mma_gemv``, 1-8 rows,
+forced) against float64 on the dequantized values: Triton under its interpreter on CPU, the real
+kernel (wgmma) under ``cuda``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.triton.fp8_mma_gemv import Fp8MmaGemvConfig
+from fp8_launch_check import check_decode_launch
+from fp8_truth import TRITON_TARGETS
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+@pytest.mark.parametrize("m, n, k, block_rows, bias, dtype, config", [
+    (1, 200, 300, 128, True, torch.float32, Fp8MmaGemvConfig(64, 1, 3)),
+    (1, 200, 300, 128, False, torch.bfloat16, Fp8MmaGemvConfig(128, 2, 3)),
+    (3, 96, 256, 1, False, torch.float32, Fp8MmaGemvConfig(64, 2, 2)),
+    (8, 130, 384, 128, False, torch.bfloat16, Fp8MmaGemvConfig(64, 8, 3)),
+    (1, 64, 1, 128, True, torch.float32, Fp8MmaGemvConfig(64, 8, 3)),
+    (5, 40, 520, 1, True, torch.float32, Fp8MmaGemvConfig(64, 3, 4)),
+    (2, 300, 1000, 128, True, torch.float32, Fp8MmaGemvConfig(256, 4, 3))], ids=str)
+def test_fp8_mma_gemv_matches_float64(device, m, n, k, block_rows, bias, dtype, config):
+    """The MMA GEMV (the real rows quantized per group and placed in a zero 16-row tile, the
+    weight tile as the MMA's M side; unsplit, split on 128-column groups, more splits than
+    groups, a row count that is not a power of two, partial column blocks and K groups) equals
+    float64 on the dequantized values, with block and per-row scales whose groups differ in
+    magnitude, bit-identical twice in a row, the arrival counters left at zero."""
+    check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed=m * 13 + n + k + config.split_k)
