@@ -10,6 +10,12 @@ from engine.kernels.triton.fp8_mma_gemv import Fp8MmaGemvConfig
 from fp8_launch_check import check_decode_launch
 from fp8_truth import TRITON_TARGETS
 
+# sm90's FP8 wgmma adds the products of a 128-column group with fewer mantissa bits than float32
+# (about 14 retained: DeepSeek-V3's report, section 3.3.2); the kernel promotes each group's sum to
+# float32 before scaling it, as DeepGEMM and the checkpoints' reference kernels do. The interpreter
+# sums exactly. Either bound still fails on FP8 partial sums and on every mis-indexed scale.
+FLOAT32_BOUND = {"cpu": 1e-5, "cuda": 1e-3}
+
 
 @pytest.mark.parametrize("device", TRITON_TARGETS)
 @pytest.mark.parametrize("m, n, k, block_rows, bias, dtype, config", [
@@ -26,4 +32,5 @@ def test_fp8_mma_gemv_matches_float64(device, m, n, k, block_rows, bias, dtype, 
     groups, a row count that is not a power of two, partial column blocks and K groups) equals
     float64 on the dequantized values, with block and per-row scales whose groups differ in
     magnitude, bit-identical twice in a row, the arrival counters left at zero."""
-    check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed=m * 13 + n + k + config.split_k)
+    check_decode_launch(device, m, n, k, block_rows, bias, dtype, config, seed=m * 13 + n + k + config.split_k,
+                        float32_bound=FLOAT32_BOUND[device])
