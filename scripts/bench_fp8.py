@@ -106,8 +106,9 @@ def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
             row["plan"] = f"{type(chosen).__name__}{tuple(chosen)}"
             times = {}
             for config in _decode_runs(x, *quantized[0], None):
-                times[f"{type(config).__name__}{tuple(config)}"] = step_like_us(
-                    [lambda q=q, s=s, config=config: triton_fp8.fp8_linear(x, q, s, config=config) for q, s in quantized])
+                calls = [lambda q=q, s=s, config=config: triton_fp8.fp8_linear(x, q, s, config=config)
+                         for q, s in quantized]
+                times[f"{type(config).__name__}{tuple(config)}"] = step_like_us(calls)
             best = min(times, key=times.get)
             row.update(fp8_plan_us=times[row["plan"]], fp8_best=best, fp8_best_us=times[best], fp8_us=times)
             row.update(bf16_tb_s=2 * n * k / row["bf16_us"] / 1e6, fp8_best_tb_s=n * k / times[best] / 1e6,

@@ -40,8 +40,9 @@ def test_single_process_init_returns_at_once(world_size):
 
 
 CLOSE_PROBE = ("import sys, torch.distributed as dist; from pathlib import Path; from engine.distributed import "
-               "TPGroup, close_tp_distributed, get_tp_group, init_tp_distributed; tp = init_tp_distributed(timeout_s=30); "
-               "close_tp_distributed(); Path(sys.argv[1], f'rank{tp.rank}').write_text("
+               "TPGroup, close_tp_distributed, get_tp_group, init_tp_distributed; "
+               "tp = init_tp_distributed(timeout_s=30); close_tp_distributed(); "
+               "Path(sys.argv[1], f'rank{tp.rank}').write_text("
                "f'{tp.size} {not dist.is_initialized()} {get_tp_group() == TPGroup()}')")
 
 

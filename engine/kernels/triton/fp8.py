@@ -157,8 +157,8 @@ def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """The launch for ``a [M <= gemv.MAX_ROWS, K]`` against this weight: on CUDA the fastest of
     ``DECODE_CANDIDATES``, of the FMA GEMV's (``fp8_gemv.CANDIDATES`` whose tile fits M rows) and
     of the MMA GEMV's (``fp8_mma_gemv.CANDIDATES``, up to its rows) on this shape, timed once per
-    shape (``gemv.fastest``; inside a capture an unmeasured shape keeps the unsplit GEMM); elsewhere (the interpreter) the GEMV's default up to its rows,
-    ``DECODE_DEFAULT`` beyond."""
+    shape (``gemv.fastest``; inside a capture an unmeasured shape keeps the unsplit GEMM);
+    elsewhere (the interpreter) the FMA GEMV's default up to its rows, ``DECODE_DEFAULT`` beyond."""
     rows = a.shape[0]
     if a.device.type != "cuda":
         return fp8_gemv.DEFAULT if rows <= fp8_gemv.MAX_ROWS else DECODE_DEFAULT
