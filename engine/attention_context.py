@@ -10,7 +10,7 @@ another is an error, and none is left behind when the pass ends (or raises).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,3 +66,25 @@ def get_context() -> AttentionContext:
     if ctx is None:
         raise RuntimeError("no attention context is set: run the forward inside forward_context(ctx)")
     return ctx
+
+
+def eager_region(fn: Callable[..., torch.Tensor], *args: torch.Tensor, out_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``fn(*args)``: the part of a forward that depends on this step's context beyond its slots
+    (the attention of a step with prefill chunks), returning a tensor of ``out_shape`` and
+    ``dtype`` whose rows (dim 0, as every arg's) are tokens. It simply runs, except while a
+    piecewise CUDA-graph capture splits the forward (``splitting_at_eager_regions``): then the
+    capture's ``split`` takes it and returns the buffer the rest of the forward reads."""
+    split = getattr(_current, "split", None)
+    return fn(*args) if split is None else split(fn, args, out_shape, dtype)
+
+
+@contextmanager
+def splitting_at_eager_regions(split: Callable) -> Iterator[None]:
+    """While inside, ``eager_region(fn, *args, out_shape=..., dtype=...)`` returns
+    ``split(fn, args, out_shape, dtype)`` on this thread (``engine.piecewise_graphs``)."""
+    _current.split = split
+    try:
+        yield
+    finally:
+        _current.split = None

@@ -51,6 +51,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _option(True, "--no-prefix-caching", "turn prefix caching off")
     enforce_eager: bool = _option(False, "--enforce-eager", "decode without CUDA graphs (graphs are the default on "
                                   "CUDA)")
+    prefill_graph_tokens: int | None = _option(None, "--prefill-graph-tokens", "steps that carry prefill chunks, up "
+                                               "to this many tokens, replay piecewise CUDA graphs around their "
+                                               "attention (default: 2048, at most --max-num-batched-tokens, when "
+                                               "CUDA graphs are on; 0: such steps run eagerly)", type=int)
     custom_all_reduce: bool = _option(True, "--disable-custom-all-reduce", "tensor parallel on CUDA: all-reduce with "
                                       "NCCL only (default: symmetric memory for small messages)")
     quantization: str | None = _option(None, "--quantization", "fp8: quantize a float checkpoint's linear weights to "

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
 BACKENDS = ("tp", *FORCED_CLASSES, "hf")
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048  # steps above it are GPU-bound on an H200: their host dispatch hides
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,15 @@ class SchedulerSettings:
 class ParallelSettings:
     """Where it runs: ``device`` (default ``cuda:LOCAL_RANK`` when CUDA is present, one GPU per
     torchrun rank, else the CPU); ``cuda_graphs`` (decode replays CUDA graphs on CUDA unless
-    ``enforce_eager``); ``custom_all_reduce`` (under TP on CUDA, small all-reduces through
-    symmetric memory, else NCCL only)."""
+    ``enforce_eager``); ``prefill_graph_tokens`` (steps with prefill chunks of up to this many
+    tokens replay piecewise graphs, ``engine.piecewise_graphs``: by default 2,048 capped at
+    ``max_num_batched_tokens`` with CUDA graphs on, where a longer step's GPU time exceeds its
+    host dispatch anyway; 0 otherwise); ``custom_all_reduce`` (under TP on CUDA, small all-reduces
+    through symmetric memory, else NCCL only)."""
 
     device: torch.device
     cuda_graphs: bool
+    prefill_graph_tokens: int
     custom_all_reduce: bool
 
 
@@ -158,6 +163,18 @@ def _kv_cache_dtype(name: str, ours: bool) -> torch.dtype | None:
     return KV_CACHE_DTYPES[name]
 
 
+def _prefill_graph_tokens(requested: int | None, cuda_graphs: bool, max_num_batched_tokens: int) -> int:
+    """The largest step with prefill chunks that replays piecewise graphs (0: none); asking for
+    some without CUDA graphs, or for a negative number, is a ValueError."""
+    if requested is None:
+        return min(DEFAULT_PREFILL_GRAPH_TOKENS, max_num_batched_tokens) if cuda_graphs else 0
+    if requested < 0:
+        raise ValueError(f"prefill_graph_tokens must be >= 0, got {requested}")
+    if requested and not cuda_graphs:
+        raise ValueError(f"prefill_graph_tokens={requested} needs CUDA graphs (a CUDA device, without enforce_eager)")
+    return min(requested, max_num_batched_tokens)
+
+
 def resolve(args: EngineArgs) -> EngineConfig:
     """``args`` with every default decided and every value checked."""
     model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
@@ -177,6 +194,8 @@ def resolve(args: EngineArgs) -> EngineConfig:
         if not isinstance(dtype, torch.dtype):
             raise ValueError("dtype must be one of float32, float16, bfloat16")
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else 256 if device.type == "cuda" else 16
+    max_num_batched_tokens = max(args.max_num_batched_tokens, max_num_seqs)
+    cuda_graphs = device.type == "cuda" and not args.enforce_eager
     ours = model_class is not None
     progress = args.progress
     if progress is None:
@@ -186,9 +205,10 @@ def resolve(args: EngineArgs) -> EngineConfig:
                       args.quantization),
         CacheSettings(args.block_size, _kv_cache_dtype(args.kv_cache_dtype, ours), args.mem_utilization,
                       args.reserve_bytes, args.enable_prefix_caching and ours),
-        SchedulerSettings(max_num_seqs, max(args.max_num_batched_tokens, max_num_seqs), max_model_len, args.admission,
+        SchedulerSettings(max_num_seqs, max_num_batched_tokens, max_model_len, args.admission,
                           args.overlap and ours and speculative.method is None),
-        ParallelSettings(device, device.type == "cuda" and not args.enforce_eager, args.custom_all_reduce),
+        ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs,
+                                                                    max_num_batched_tokens), args.custom_all_reduce),
         speculative, progress)
 
 

@@ -142,13 +142,16 @@ class LLMEngine:
         return ModelRunner(self.model_dir, self.config, self.device, self.dtype, self.tp, cache.block_size,
                            sched.max_num_seqs, sched.max_model_len, cache.mem_utilization, cache.reserve_bytes,
                            c.progress, c.parallel.cuda_graphs, c.model.model_class, self.eos_token_ids,
-                           max_draft_tokens, cache.dtype)
+                           max_draft_tokens, cache.dtype, c.parallel.prefill_graph_tokens)
 
     def summary(self) -> str:
         """One line: the config's choices and what loading made of them."""
         c, r = self.engine_config, self.runner
         kv_tokens = r.num_blocks * c.cache.block_size
         steps = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
+        if getattr(r, "prefill_graphs", None) is not None:
+            steps += (f", piecewise graphs for prefill steps up to {max(r.prefill_graphs.sizes)} tokens "
+                      f"({len(r.prefill_graphs.sizes)} sizes, captured in {r.prefill_graphs.capture_seconds:.1f} s)")
         steps += ", overlapped steps" if c.scheduler.overlap else ", synchronous steps"
         spec = c.speculative
         if spec.method is not None:

@@ -20,8 +20,11 @@ sizes) it replays a CUDA graph captured once per decode-token count of a ladder 
 ``max_num_seqs x (1 + max_draft_tokens)`` (one graph serves every mix of batch size and draft
 lengths with that many tokens): a step is padded to the next captured size with tokens that
 attend to one token of block 0 (whatever it holds; their output is dropped) and write nowhere
-(slot -1). Any other step is mixed and eager: decode tokens first (paged decode attention), then
-prefill chunks (varlen attention over any cached prefix). Sampling runs after the forward, on one
+(slot -1). Any other step is mixed: decode tokens first (paged decode attention), then prefill
+chunks (varlen attention over any cached prefix); with ``prefill_graph_tokens`` (CUDA) a mixed
+step of up to that many tokens replays the piecewise graphs of the next captured token count
+(``engine.piecewise_graphs``: everything but the attention captured, the attention run eagerly
+between the pieces), a longer one runs eagerly. Sampling runs after the forward, on one
 logits row per entry (its last token) and then one per drafted token. Requests asking for
 prompt logprobs get them from their chunks' other tokens (``engine.prompt_logprobs``: a mixed
 step computes logits rows for those tokens after the sampled ones; in a decode step they are
@@ -36,6 +39,7 @@ import time
 from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +52,7 @@ from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.layers.sampler import Sampler
 from engine.loader import load_checkpoint
 from engine.models.registry import build_model
+from engine.piecewise_graphs import PiecewiseGraphs, prefill_graph_sizes
 from engine.prompt_logprobs import (
     PromptLogprobsPlan,
     gather_prompt_logprobs,
@@ -141,14 +146,16 @@ class ModelRunner:
     ForwardBatch`` and ``forward(step) -> logits`` are its two halves. ``max_draft_tokens``: the
     most tokens a verify entry drafts (speculative decoding; sizes the static decode buffers).
     ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
-    rows are reused.
+    rows are reused. ``prefill_graph_tokens``: steps with prefill chunks of up to this many tokens
+    replay piecewise CUDA graphs (0: none); every graph shares one memory pool (``graph_pool``).
     """
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
                  mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
                  cuda_graphs: bool = False, model_class: type[nn.Module] | None = None, eos_token_ids=frozenset(),
-                 max_draft_tokens: int = 0, kv_cache_dtype: torch.dtype | None = None):
+                 max_draft_tokens: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                 prefill_graph_tokens: int = 0):
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
@@ -185,11 +192,15 @@ class ModelRunner:
         self.decode_tables = torch.zeros(max_rows, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode tokens -> (graph, logits)
         self.graph_replays = 0
+        self.prefill_graphs = None
+        if (cuda_graphs or prefill_graph_tokens) and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # shared by every graph
         if cuda_graphs:
-            if device.type != "cuda":
-                raise ValueError("CUDA-graph decode needs a CUDA device")
             limit = min(max_rows, getattr(self.model, "max_graph_batch", max_rows))
             self.capture_decode_graphs(graph_batch_sizes(limit))
+        if prefill_graph_tokens:  # after the decode graphs, whose logits hold their blocks of the shared pool
+            self.capture_prefill_graphs(prefill_graph_tokens)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -258,7 +269,11 @@ class ModelRunner:
             self.graph_replays += 1
             return logits[:step.batch.num_logits_rows]
         with forward_context(step.attention):
-            hidden = self.model(step.input_ids, step.positions)
+            graphs = self.prefill_graphs
+            if step.attention.has_prefill and graphs is not None and graphs.size_for(len(step.input_ids)):
+                hidden = graphs.run(step.input_ids, step.positions, step.attention.slot_mapping)
+            else:
+                hidden = self.model(step.input_ids, step.positions)
         if step.logits_indices is not None:
             hidden = hidden.index_select(0, step.logits_indices)
         return self.model.compute_logits(hidden)
@@ -364,10 +379,9 @@ class ModelRunner:
         parts = {
             "input_ids": torch.tensor(decode_ids + draft_ids + list(prefill_ids), dtype=torch.int64),
             "positions": torch.cat([torch.tensor(starts[:num_decode] + draft_positions, dtype=torch.int64),
-                                    torch.arange(int(cu_q[-1])) - torch.repeat_interleave(cu_q[:-1] - prefill_starts,
-                                                                                          q_lens)]),
+                                    torch.arange(int(cu_q[-1])) - _repeat(cu_q[:-1] - prefill_starts, q_lens)]),
             "token_table_rows": torch.cat([rows[:num_decode], rows[len(batch):],
-                                           torch.repeat_interleave(prefill_rows, q_lens)]),
+                                           _repeat(prefill_rows, q_lens)]),
             "logits_indices": torch.cat([torch.arange(num_decode), num_decode_tokens + cu_q[1:] - 1,
                                          torch.arange(num_decode, num_decode_tokens),
                                          torch.tensor(prompt.token_indices if prompt else [], dtype=torch.int64)]),
@@ -382,8 +396,8 @@ class ModelRunner:
         }
         any_computed = bool(prefill_starts.any())
         if any_computed:  # every context token of every chunk, read back from the cache
-            parts["kv_positions"] = torch.arange(int(cu_k[-1])) - torch.repeat_interleave(cu_k[:-1], kv_lens)
-            parts["kv_table_rows"] = torch.repeat_interleave(prefill_rows, kv_lens)
+            parts["kv_positions"] = torch.arange(int(cu_k[-1])) - _repeat(cu_k[:-1], kv_lens)
+            parts["kv_table_rows"] = _repeat(prefill_rows, kv_lens)
         d = to_device_packed(parts, self.device)
         if moves:
             d["input_ids"].index_put_((d["move_to"],), previous.sampled_ids.index_select(0, d["move_from"]))
@@ -412,7 +426,7 @@ class ModelRunner:
     def capture_decode_graphs(self, sizes: list[int]) -> None:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each
         over the full block-table width so any context up to max_model_len replays it."""
-        pool = None
+        pool = self.graph_pool
         with torch.inference_mode(), self._on_device():
             self._stage_decode(ScheduledBatch(), [], [], [], [], max(sizes), None)  # every column padding
             for size in sorted(sizes, reverse=True):
@@ -429,9 +443,28 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = step()
-                pool = graph.pool()
                 self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
+
+    def capture_prefill_graphs(self, limit: int) -> None:
+        """Capture the piecewise graphs of steps with prefill chunks of up to ``limit`` tokens
+        (``prefill_graphs``), each size under a context of one prefill sequence of its length whose
+        tokens write no KV (the static slots are -1 outside a replay): its warm-up runs that
+        sequence's attention."""
+        self.prefill_graphs = graphs = PiecewiseGraphs(prefill_graph_sizes(limit), self.device)
+        contexts = {}
+        for size in graphs.sizes:
+            lens = torch.tensor([0, size], dtype=torch.int32, device=self.device)
+            contexts[size] = AttentionContext(has_prefill=True, slot_mapping=graphs.slot_mapping[:size],
+                                              cu_seqlens_q=lens, cu_seqlens_k=lens, max_seqlen_q=size,
+                                              max_seqlen_k=size)
+
+        def run_model(size: int) -> torch.Tensor:
+            with forward_context(contexts[size]):
+                return self.model(graphs.input_ids[:size], graphs.positions[:size])
+
+        with torch.inference_mode(), self._on_device():
+            graphs.capture(run_model, self.graph_pool)
 
 
 def _pending_moves(batch: ScheduledBatch, previous: LaunchedStep | None) -> list[tuple[int, int]]:
@@ -445,6 +478,13 @@ def _pending_moves(batch: ScheduledBatch, previous: LaunchedStep | None) -> list
         raise RuntimeError("the batch feeds tokens the host does not know, but no previous step was given")
     index = previous.index_of
     return [(i, index[batch.seqs[i].request_id]) for i in moves]
+
+
+def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``torch.repeat_interleave(values, counts)`` of int64 host tensors, through numpy: torch's CPU
+    kernel took ~2.6 ms a call on the 16-core H200 host (cProfile of a mixed step: its largest host
+    cost), against ~20 µs here on 2 cores."""
+    return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
 
 
 def _draft_tokens(batch: ScheduledBatch) -> tuple[list[int], list[int]]:

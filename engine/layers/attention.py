@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.attention_context import get_context
+from engine.attention_context import eager_region, get_context
 
 
 class Attention(nn.Module):
@@ -34,13 +34,22 @@ class Attention(nn.Module):
         return self.k_cache, self.v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        """``kv_stored``: the caller already wrote this step's K/V to ``caches()`` (a fused prologue)."""
+        """``kv_stored``: the caller already wrote this step's K/V to ``caches()`` (a fused prologue).
+        A step with prefill chunks attends in an ``eager_region`` (between two pieces when it
+        replays piecewise graphs)."""
         ctx = get_context()
         k_cache, v_cache = self.caches()
         if not kv_stored:
             kernels.store_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if not ctx.has_prefill:
             return self._decode(q, ctx)
+        return eager_region(self._attend_with_prefill, q, k, v, out_shape=(q.shape[0], self.num_heads, v.shape[-1]),
+                            dtype=q.dtype)
+
+    def _attend_with_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A step's leading decode rows through paged decode, its prefill chunks through varlen
+        attention (on this step's K/V, or every context token's from the cache)."""
+        ctx = get_context()
         d = ctx.num_decode_tokens
         if ctx.prefill_kv_slots is not None:  # every context token's K/V from the cache (in q's dtype)
             k = self.k_cache.flatten(0, 1).index_select(0, ctx.prefill_kv_slots).to(q.dtype)

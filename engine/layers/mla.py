@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.attention_context import get_context
+from engine.attention_context import eager_region, get_context
 from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
 from engine.kv_cache import KVCacheSpec
@@ -77,12 +77,17 @@ class MultiHeadLatentAttention(nn.Module):
         kernels.store_kv_cache(latent, None, self.k_cache, None, ctx.slot_mapping)
         if not ctx.has_prefill:
             out = self._decode(q, ctx)
-        else:
-            d = ctx.num_decode_tokens
-            out = self._prefill(q[d:], latent[d:], ctx)
-            if d:
-                out = torch.cat([self._decode(q[:d], ctx), out])
+        else:  # between two pieces when the step replays piecewise graphs
+            out = eager_region(self._attend_with_prefill, q, latent, out_shape=(q.shape[0], self.num_heads, self.v_dim),
+                               dtype=q.dtype)
         return self.o_proj(out.flatten(1))
+
+    def _attend_with_prefill(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """A step's leading decode rows through the absorbed decode, its prefill chunks expanded."""
+        ctx = get_context()
+        d = ctx.num_decode_tokens
+        out = self._prefill(q[d:], latent[d:], ctx)
+        return torch.cat([self._decode(q[:d], ctx), out]) if d else out
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj``'s weight split per local head: W_UK ``[n, nope, rank]``, W_UV ``[n, v, rank]`` (views)."""
