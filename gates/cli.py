@@ -153,6 +153,7 @@ def cmd_show(root: Path, phase_id: str) -> int:
     print("runs:")
     for run in gate.runs:
         needs = f" [requires {', '.join(run.requires)}]" if run.requires else ""
+        needs += " [alone: nothing runs beside it]" if run.alone else ""
         for nproc in run.nproc or (1,):
             cmd = ["python", *pytest_command(run, nproc, root)[1:]]
             print(f"  - {run.mode}{needs}, timeout {run.timeout_s:g} s:\n      {shlex.join(cmd)}")

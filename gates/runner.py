@@ -8,6 +8,9 @@ critical path first (see ``start_order``) whenever a slot frees, so the files of
 everything else waits for spread over every free slot; the first waiting job starts on fewer
 slots than it wants rather than wait for them. Console output stays in dependency order.
 
+A run marked ``alone`` (where it runs) waits for every running job and holds every waiting
+one until it ends.
+
 PASS: every run that ran passed (runs skipped for a missing requirement are
 reported). FAIL: a run failed, timed out, or ran no test (a phase with no tests
 is never PASS). BLOCKED: a selected dependency did not pass; its tests are not
@@ -257,6 +260,12 @@ def start_order(job: Job, paths: dict[str, int], chains: dict[str, int], order: 
             -job.nproc)
 
 
+def alone(job: Job) -> bool:
+    """``job`` runs with nothing beside it: its run says so and will run here (a run skipped for a
+    missing requirement holds nothing up)."""
+    return job.run.alone and not missing_requirements(job.run, job.nproc)
+
+
 def run_result(root: Path, jobs: list[Job]) -> RunResult:
     """The result of one run of a phase from its finished jobs: a torchrun run's own, a single
     run's files merged (its time from the first file's start to the last one's end)."""
@@ -331,8 +340,10 @@ def run_gates(root: Path, options: Options) -> list[PhaseResult]:
             start_ready_phases()
             while queue or running:
                 for job in list(queue):
-                    if free < 1:
+                    if free < 1 or any(alone(j) for j, _ in running.values()):
                         break
+                    if alone(job) and running:
+                        break  # it waits for the running jobs to end; the jobs after it wait for it
                     want = min(job.nproc, options.jobs)   # a slot per rank; a file one
                     if want > free and job is not queue[0]:
                         continue

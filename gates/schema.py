@@ -26,12 +26,15 @@ class GateError(ValueError):
 class Run:
     """One pytest run: ``single`` once (a pytest session per test file), ``torchrun`` once per entry of
     ``nproc``. ``timeout_s`` bounds a torchrun run's ranks, and each test file's session of a
-    single run."""
+    single run. ``alone``: where it runs (its requirements met), nothing else of the gate run runs
+    beside it: it waits for every running job to end, and no job starts until it has (a benchmark
+    whose figures another process on the GPU or the cores would change)."""
     mode: str
     tests: tuple[str, ...]
     nproc: tuple[int, ...] = ()
     requires: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_TIMEOUT_S
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class _Checker:
 
 
 def _run(c: _Checker, value, field: str) -> Run:
-    c.mapping(value, field, {"mode", "tests"}, {"nproc", "requires", "timeout_s"})
+    c.mapping(value, field, {"mode", "tests"}, {"nproc", "requires", "timeout_s", "alone"})
     mode = value["mode"]
     if mode not in MODES:
         c.fail(f"{field}.mode", f"must be one of {', '.join(MODES)}; got {mode!r}")
@@ -149,7 +152,10 @@ def _run(c: _Checker, value, field: str) -> Run:
     timeout = value.get("timeout_s", DEFAULT_TIMEOUT_S)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         c.fail(f"{field}.timeout_s", f"must be a positive number of seconds, got {timeout!r}")
-    return Run(mode, tests, nproc, requires, float(timeout))
+    alone = value.get("alone", False)
+    if not isinstance(alone, bool):
+        c.fail(f"{field}.alone", f"must be true or false, got {alone!r}")
+    return Run(mode, tests, nproc, requires, float(timeout), alone)
 
 
 def _rule(c: _Checker, value, field: str) -> Rule:

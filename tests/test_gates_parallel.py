@@ -142,6 +142,51 @@ def test_one_job_runs_one_thing_at_a_time(tmp_path):
     assert code == 0 and run["files"] == 3 and run["counts"]["passed"] == 3, out
 
 
+# Marks itself running, waits (2 s hang guard) for the benchmark file to start, then ends.
+BUSY = """
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_busy():
+    mine = ROOT / (Path(__file__).parent.name + Path(__file__).stem + ".running")
+    mine.write_text("")
+    deadline = time.monotonic() + 2
+    while not (ROOT / "bench.started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mine.unlink()
+"""
+
+# Fails when any other file of the gate run is running when it starts.
+BENCH = """
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_bench():
+    (ROOT / "bench.started").write_text("")
+    assert not sorted(p.name for p in ROOT.glob("*.running"))
+"""
+
+
+def test_a_run_marked_alone_has_nothing_beside_it(tmp_path):
+    """Four slots, a phase with two busy files and a benchmark run marked alone, another phase with
+    a busy file: every busy file waits for the benchmark to start (2 s), so without ``alone`` the
+    benchmark would start beside them and fail; with it, it starts once they have ended and the
+    jobs after it wait for it."""
+    runs = [{"mode": "single", "tests": ["phases/01_p/test_busy_a.py", "phases/01_p/test_busy_b.py"]},
+            {"mode": "single", "tests": ["phases/01_p/test_bench.py"], "alone": True}]
+    write_phase(tmp_path, "01", gate("01", runs=runs), {"test_busy_a.py": BUSY, "test_busy_b.py": BUSY,
+                                                        "test_bench.py": BENCH})
+    write_phase(tmp_path, "02", gate("02"), {"test_busy_c.py": BUSY})
+    code, out, report = run_cli(tmp_path, "--jobs", "4")
+    assert code == 0, out
+    assert [(p["id"], p["status"]) for p in report["phases"]] == [("01", "PASS"), ("02", "PASS")]
+
+
 def test_a_file_whose_session_dies_fails_the_run_naming_it(tmp_path):
     """A test file that ends its process (a crash) writes no results: its file is reported as an
     error with the exit code, the run fails, and the other files' tests still count."""

@@ -17,7 +17,7 @@ def valid() -> dict:
     return gate("05", depends_on=["01", "03"], runs=[
         {"mode": "single", "tests": ["phases/05_p"]},
         {"mode": "torchrun", "nproc": [2, 4], "tests": ["phases/05_p/test_tp.py"], "timeout_s": 60},
-        {"mode": "single", "requires": ["cuda"], "tests": ["phases/05_p/test_gpu.py"]},
+        {"mode": "single", "requires": ["cuda"], "tests": ["phases/05_p/test_gpu.py"], "alone": True},
     ], eager_gate=[{"rule": "r", "test": "phases/05_p/test_a.py::test_a"}],
         failure_modes=[{"id": "FM-008", "symptom": "s", "check": "c", "fix": "f", "tests": ["test_a"]}])
 
@@ -31,6 +31,7 @@ def test_valid_gate_parses_into_typed_fields():
     assert [r.mode for r in g.runs] == ["single", "torchrun", "single"]
     assert g.runs[1].nproc == (2, 4) and g.runs[1].timeout_s == 60
     assert g.runs[0].timeout_s == 900 and g.runs[2].requires == ("cuda",)
+    assert g.runs[2].alone and not g.runs[0].alone
     assert g.eager_gate[0].test == "phases/05_p/test_a.py::test_a"
     assert g.failure_modes[0].matches("phases/05_p/test_a.py::test_a[2]")
     assert not g.failure_modes[0].matches("phases/05_p/test_b.py::test_b")
@@ -65,6 +66,7 @@ BROKEN = {
     "unknown run key": (_set(["runs", 0, "env"], {}), "runs[0].env: unknown key"),
     "unknown requirement": (_set(["runs", 2, "requires"], ["tpu"]), "runs[2].requires[0]: unknown requirement 'tpu'"),
     "bad timeout": (_set(["runs", 1, "timeout_s"], -1), "runs[1].timeout_s: must be a positive number"),
+    "alone not a boolean": (_set(["runs", 2, "alone"], "yes"), "runs[2].alone: must be true or false"),
     "absolute test path": (_set(["runs", 0, "tests"], ["/tmp/x"]), "runs[0].tests[0]: must be a path relative"),
     "empty tests": (_set(["runs", 0, "tests"], []), "runs[0].tests: must not be empty"),
     "rule without test": (_set(["eager_gate", 0, "test"], DELETE), "eager_gate[0].test: missing"),
