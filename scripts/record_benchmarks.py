@@ -1,7 +1,7 @@
 """Record the GPU figures of benchmark reports in ``benchmarks.json`` (the repository's figures,
 written from the benchmarks' JSON, never typed in).
 
-    python scripts/record_benchmarks.py REPORT.json [REPORT.json ...] [--into benchmarks.json]
+    python scripts/record_benchmarks.py REPORT.json [REPORT.json ...] [--into benchmarks.json] [--only REGEX]
 
 Each report is the JSON of ``python -m engine bench latency | throughput | spec``, of
 ``python -m engine.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
@@ -28,7 +28,10 @@ from ``bench serve --structured`` (a preset, every request of both sides complet
 constrained answer valid): ``<model>_structured_vs_plain_throughput_ratio`` (json_schema) and
 ``<model>_tools_vs_plain_throughput_ratio`` (a forced tool call), constrained over plain output
 tok/s under the same load, with each side's tok/s, the ITL p99 ratio and the grammar's compile
-and mask costs as peers.
+and mask costs as peers; from a plain ``bench serve`` (a preset, ``--max-concurrency N``, every
+request completed): ``<model>_serve_cN_out_tok_s``, ``_itl_p50_ms``, ``_itl_p99_ms`` and
+``_ttft_p99_ms`` (``_serve_cN_budget<B>_...`` when the step's token budget is not the default).
+Latency reports also give ``<model>_ttft_<N>_ms``, the TTFT of one N-token prompt.
 """
 from __future__ import annotations
 
@@ -111,8 +114,10 @@ def _latency(report: dict) -> dict:
             if isinstance(run, dict) and "tok_s" in run}
     figures = {f"{model}_b1_{mode}{steps}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
     for ttft in report["ttft"]:
-        figures[f"{model}_prefill_{ttft['prompt_len']}{_kv(report)}{steps}_tok_s"] = _figure(
-            ttft["prompt_len"] / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={ttft['prompt_len']}]: prompt_len / ms")
+        length, kv = ttft["prompt_len"], _kv(report)
+        figures[f"{model}_prefill_{length}{kv}{steps}_tok_s"] = _figure(
+            length / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={length}]: prompt_len / ms")
+        figures[f"{model}_ttft_{length}{kv}{steps}_ms"] = _figure(ttft["ms"], "ms", f"ttft[prompt_len={length}].ms")
     return figures
 
 
@@ -182,10 +187,34 @@ STRUCTURED_NAMES = {"json_schema": "structured", "tools": "tools"}
 STRUCTURED_PEERS = ("itl_p99_ratio", "compile_ms_cold", "compile_ms_cached", "mask_fill_us_per_step", "mask_rows")
 
 
+def _plain_serve(report: dict) -> dict:
+    """A plain load's output tok/s, ITL median and p99, TTFT p99, named by the preset, the
+    concurrency and, when not the default, the step's token budget (``_budget{N}``)."""
+    from engine.engine_args import EngineArgs
+
+    settings, serve = report["settings"], report["serve"]
+    if settings.get("max_concurrency") is None:
+        raise ValueError("a plain serve figure needs --max-concurrency (its name says the concurrency)")
+    if serve["completed"] != settings["num_prompts"]:
+        raise ValueError(f"{serve['completed']} of {settings['num_prompts']} requests completed: no figure from "
+                         "a run with failures")
+    model, steps = _variant(report)
+    budget = settings.get("max_num_batched_tokens", EngineArgs.max_num_batched_tokens)
+    name = f"{model}_serve_c{settings['max_concurrency']}" + (
+        "" if budget == EngineArgs.max_num_batched_tokens else f"_budget{budget}")
+    peer = {"input_len": settings["input_len"], "output_len": settings["output_len"],
+            "num_prompts": settings["num_prompts"], "max_num_batched_tokens": budget,
+            "ttft_p50_ms": serve["ttft_ms"]["median"]}
+    return {f"{name}_out{steps}_tok_s": _figure(serve["output_throughput"], "tok/s", "serve.output_throughput", peer),
+            f"{name}_itl_p50{steps}_ms": _figure(serve["itl_ms"]["median"], "ms", "serve.itl_ms.median", peer),
+            f"{name}_itl_p99{steps}_ms": _figure(serve["itl_ms"]["p99"], "ms", "serve.itl_ms.p99", peer),
+            f"{name}_ttft_p99{steps}_ms": _figure(serve["ttft_ms"]["p99"], "ms", "serve.ttft_ms.p99", peer)}
+
+
 def _serve(report: dict) -> dict:
     workloads = report["serve"].get("structured")
     if workloads is None:
-        raise ValueError("a plain serve report has no named figures (only bench serve --structured)")
+        return _plain_serve(report)
     model, steps = _variant(report)
     figures = {}
     for workload, run in workloads.items():
@@ -226,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", metavar="REPORT.json")
     parser.add_argument("--into", default=str(Path(__file__).resolve().parents[1] / "benchmarks.json"),
                         help="the file to update (default: benchmarks.json at the repository root)")
+    parser.add_argument("--only", metavar="REGEX", type=re.compile,
+                        help="record only the figures whose name matches (a report's other figures are left as "
+                             "they are, e.g. a headline measured under other settings elsewhere)")
     args = parser.parse_args(argv)
     recorded = {}
     for path in args.reports:
@@ -239,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             figures = {name: figure for name, figure in figures.items() if DEVICE_FREE.fullmatch(name)}
             if not figures:
                 parser.error(f"{path} was measured on {device}: benchmarks.json holds GPU figures only")
+        if args.only is not None:
+            figures = {name: figure for name, figure in figures.items() if args.only.fullmatch(name)}
         recorded.update(figures)
     into = Path(args.into)
     data = json.loads(into.read_text()) if into.is_file() else {"figures": {}}

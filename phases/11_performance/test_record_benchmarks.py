@@ -41,11 +41,13 @@ def latency_report(tmp_path_factory) -> tuple[Path, dict]:
 def test_a_latency_report_maps_to_named_figures_with_a_command_that_reproduces_it(latency_report):
     _, report = latency_report
     figures = record_benchmarks.figures_of(report)
-    assert sorted(figures) == ["tiny_qwen3_b1_eager_no_overlap_tok_s", "tiny_qwen3_prefill_16_no_overlap_tok_s"]
+    assert sorted(figures) == ["tiny_qwen3_b1_eager_no_overlap_tok_s", "tiny_qwen3_prefill_16_no_overlap_tok_s",
+                               "tiny_qwen3_ttft_16_no_overlap_ms"]
     decode, prefill = figures["tiny_qwen3_b1_eager_no_overlap_tok_s"], figures["tiny_qwen3_prefill_16_no_overlap_tok_s"]
     assert (decode["value"], decode["unit"]) == (report["decode"]["tok_s"], "tok/s")
     (ttft,) = report["ttft"]
     assert prefill["value"] == pytest.approx(16 / (ttft["ms"] / 1e3))
+    assert figures["tiny_qwen3_ttft_16_no_overlap_ms"]["value"] == ttft["ms"]
     for figure in figures.values():
         assert (figure["date"], figure["device"]) == (report["machine"]["time"], report["machine"]["device"])
     words = shlex.split(decode["command"])
@@ -64,9 +66,11 @@ def test_fp8_and_overlapped_runs_have_their_own_names(latency_report):
                 "fp8kv": {"overlap": True, "kv_cache_dtype": "fp8"}}
     names = {kind: sorted(record_benchmarks.figures_of(
         {**report, "command": "c", "settings": {**report["settings"], **change}})) for kind, change in variants.items()}
-    assert names == {"bf16": ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s"],
-                     "fp8": ["tiny_qwen3_fp8_b1_eager_tok_s", "tiny_qwen3_fp8_prefill_16_tok_s"],
-                     "fp8kv": ["tiny_qwen3_b1_eager_fp8kv_tok_s", "tiny_qwen3_prefill_16_fp8kv_tok_s"]}
+    assert names == {"bf16": ["tiny_qwen3_b1_eager_tok_s", "tiny_qwen3_prefill_16_tok_s", "tiny_qwen3_ttft_16_ms"],
+                     "fp8": ["tiny_qwen3_fp8_b1_eager_tok_s", "tiny_qwen3_fp8_prefill_16_tok_s",
+                             "tiny_qwen3_fp8_ttft_16_ms"],
+                     "fp8kv": ["tiny_qwen3_b1_eager_fp8kv_tok_s", "tiny_qwen3_prefill_16_fp8kv_tok_s",
+                               "tiny_qwen3_ttft_16_fp8kv_ms"]}
 
 
 def test_cpu_reports_are_refused_and_nothing_is_written(latency_report, tmp_path):
@@ -112,6 +116,13 @@ def test_gpu_reports_merge_into_benchmarks_json(tmp_path):
     assert figures["qwen3_8b_b1_graphs_tok_s"]["command"] == "python -m engine.bench.short --output short.json"
     assert {figure["device"] for figure in figures.values()} == {"NVIDIA H200", "g"}
     assert set(kept) <= set(chain) and chain["date"] == MACHINE["time"]
+    # --only: just the matching figures of a report; the others stay as they were
+    only = tmp_path / "only.json"
+    only.write_text(json.dumps({"figures": {"qwen3_8b_b1_graphs_tok_s": kept}}))
+    assert record_benchmarks.main([str(paths[0]), "--into", str(only), "--only", "qwen3_8b_prefill_.*"]) == 0
+    prefill = figures["qwen3_8b_prefill_4096_tok_s"]
+    assert json.loads(only.read_text())["figures"] == {"qwen3_8b_b1_graphs_tok_s": kept,
+                                                      "qwen3_8b_prefill_4096_tok_s": prefill}
 
 
 def test_gpu_busy_is_read_from_the_timed_run_when_the_report_has_it():
@@ -158,8 +169,8 @@ def structured_serve_report(**change) -> dict:
 def test_a_structured_serve_report_records_the_constrained_over_plain_ratios():
     """bench serve --structured: each workload's constrained / plain output tok/s under a name of
     the preset, its peers the two sides' tok/s and the grammar's costs, with a command that parses
-    back to the run's settings; a run with a failed or invalid answer, a plain serve run and a
-    checkpoint's server have no figure."""
+    back to the run's settings; a run with a failed or invalid answer and a checkpoint's server have
+    no figure."""
     report = structured_serve_report()
     figures = record_benchmarks.figures_of(report)
     assert sorted(figures) == ["qwen3_8b_structured_vs_plain_throughput_ratio",
@@ -180,7 +191,25 @@ def test_a_structured_serve_report_records_the_constrained_over_plain_ratios():
     invalid["serve"]["structured"]["json_schema"]["constrained_valid"] = 7
     with pytest.raises(ValueError, match="constrained answers valid"):
         record_benchmarks.figures_of(invalid)
-    with pytest.raises(ValueError, match="plain serve report"):
-        record_benchmarks.figures_of({**report, "serve": {"completed": 8}})
     with pytest.raises(ValueError, match="checkpoint"):
         record_benchmarks.figures_of(structured_serve_report(preset=None, random_weights=False))
+
+
+def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurrency_and_budget():
+    """bench serve (plain load): output tok/s, ITL median and p99, TTFT p99 under the preset's name
+    and the concurrency, ``_budget<N>`` when the step's token budget is not the default; a run
+    with a failed request, or without a concurrency cap, has no figure."""
+    report = structured_serve_report(structured=None, input_len=512, output_len=128, num_prompts=8)
+    report["serve"] = {"completed": 8, "output_throughput": 5000.0, "itl_ms": {"median": 6.5, "p99": 23.0},
+                       "ttft_ms": {"median": 60.0, "p99": 900.0}}
+    figures = record_benchmarks.figures_of(report)
+    assert {name: figure["value"] for name, figure in figures.items()} == {
+        "qwen3_8b_serve_c64_out_tok_s": 5000.0, "qwen3_8b_serve_c64_itl_p50_ms": 6.5,
+        "qwen3_8b_serve_c64_itl_p99_ms": 23.0, "qwen3_8b_serve_c64_ttft_p99_ms": 900.0}
+    assert figures["qwen3_8b_serve_c64_itl_p99_ms"]["peer"]["max_num_batched_tokens"] == 8192
+    budget = {**report, "settings": {**report["settings"], "max_num_batched_tokens": 1024}}
+    assert "qwen3_8b_serve_c64_budget1024_itl_p99_ms" in record_benchmarks.figures_of(budget)
+    with pytest.raises(ValueError, match="7 of 8 requests completed"):
+        record_benchmarks.figures_of({**report, "serve": {**report["serve"], "completed": 7}})
+    with pytest.raises(ValueError, match="needs --max-concurrency"):
+        record_benchmarks.figures_of({**report, "settings": {**report["settings"], "max_concurrency": None}})
