@@ -165,13 +165,15 @@ def _kv_cache_dtype(name: str, ours: bool) -> torch.dtype | None:
 
 def _prefill_graph_tokens(requested: int | None, cuda_graphs: bool, max_num_batched_tokens: int) -> int:
     """The largest step with prefill chunks that replays piecewise graphs (0: none); asking for
-    some without CUDA graphs, or for a negative number, is a ValueError."""
+    some without CUDA graphs of our own model classes (the hf backend runs transformers' model), or
+    for a negative number, is a ValueError."""
     if requested is None:
         return min(DEFAULT_PREFILL_GRAPH_TOKENS, max_num_batched_tokens) if cuda_graphs else 0
     if requested < 0:
         raise ValueError(f"prefill_graph_tokens must be >= 0, got {requested}")
     if requested and not cuda_graphs:
-        raise ValueError(f"prefill_graph_tokens={requested} needs CUDA graphs (a CUDA device, without enforce_eager)")
+        raise ValueError(f"prefill_graph_tokens={requested} needs CUDA graphs (a CUDA device, without enforce_eager, "
+                         "one of our model classes)")
     return min(requested, max_num_batched_tokens)
 
 
@@ -207,7 +209,7 @@ def resolve(args: EngineArgs) -> EngineConfig:
                       args.reserve_bytes, args.enable_prefix_caching and ours),
         SchedulerSettings(max_num_seqs, max_num_batched_tokens, max_model_len, args.admission,
                           args.overlap and ours and speculative.method is None),
-        ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs,
+        ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs and ours,
                                                                     max_num_batched_tokens), args.custom_all_reduce),
         speculative, progress)
 

@@ -149,7 +149,7 @@ class LLMEngine:
         c, r = self.engine_config, self.runner
         kv_tokens = r.num_blocks * c.cache.block_size
         steps = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"
-        if getattr(r, "prefill_graphs", None) is not None:
+        if getattr(r, "prefill_graphs", None) is not None and r.prefill_graphs.sizes:
             steps += (f", piecewise graphs for prefill steps up to {max(r.prefill_graphs.sizes)} tokens "
                       f"({len(r.prefill_graphs.sizes)} sizes, captured in {r.prefill_graphs.capture_seconds:.1f} s)")
         steps += ", overlapped steps" if c.scheduler.overlap else ", synchronous steps"

@@ -147,7 +147,8 @@ class ModelRunner:
     most tokens a verify entry drafts (speculative decoding; sizes the static decode buffers).
     ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
     rows are reused. ``prefill_graph_tokens``: steps with prefill chunks of up to this many tokens
-    replay piecewise CUDA graphs (0: none); every graph shares one memory pool (``graph_pool``).
+    replay piecewise CUDA graphs (0: none); every graph is captured into one memory pool
+    (``graph_pool``).
     """
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -261,8 +262,9 @@ class ModelRunner:
 
     def forward(self, step: ForwardBatch) -> torch.Tensor:
         """The logits [R, V] of the step's logits rows (a mixed step's prompt-logprob rows after
-        them): its captured graph replayed, or the model run eagerly under the step's attention
-        context (a padded ``decode_size`` step: every row)."""
+        them): its captured decode graph replayed; or, under the step's attention context, the
+        piecewise graphs of a step with prefill chunks that has a captured size, else the model run
+        eagerly (a padded ``decode_size`` step: every row), and the LM head on the logits rows."""
         if step.graph_size is not None:
             graph, logits = self.graphs[step.graph_size]
             graph.replay()
@@ -270,8 +272,9 @@ class ModelRunner:
             return logits[:step.batch.num_logits_rows]
         with forward_context(step.attention):
             graphs = self.prefill_graphs
-            if step.attention.has_prefill and graphs is not None and graphs.size_for(len(step.input_ids)):
-                hidden = graphs.run(step.input_ids, step.positions, step.attention.slot_mapping)
+            size = graphs.size_for(len(step.input_ids)) if graphs is not None and step.attention.has_prefill else None
+            if size is not None:
+                hidden = graphs.run(size, step.input_ids, step.positions, step.attention.slot_mapping)
             else:
                 hidden = self.model(step.input_ids, step.positions)
         if step.logits_indices is not None:
@@ -449,7 +452,7 @@ class ModelRunner:
     def capture_prefill_graphs(self, limit: int) -> None:
         """Capture the piecewise graphs of steps with prefill chunks of up to ``limit`` tokens
         (``prefill_graphs``), each size under a context of one prefill sequence of its length whose
-        tokens write no KV (the static slots are -1 outside a replay): its warm-up runs that
+        tokens write no KV (every static slot is -1 until the first replay): its warm-up runs that
         sequence's attention."""
         self.prefill_graphs = graphs = PiecewiseGraphs(prefill_graph_sizes(limit), self.device)
         contexts = {}

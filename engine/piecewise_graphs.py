@@ -8,22 +8,23 @@ host. So such a step is captured in pieces, per token count of a ladder (``prefi
 everything between two attentions (norms, projections, RoPE and the KV write, the MLP, the
 all-reduces) is one graph, and each layer's attention runs eagerly between two replays, on the
 step's own attention context (vLLM v1's piecewise design, without torch.compile: the model marks
-its attention with ``attention_context.eager_region``). A step of T tokens replays the pieces of the smallest
-captured size B >= T; its inputs go to static buffers whose rows T..B are padding (token 0 at
-position 0, cache slot -1: written nowhere), and every eager region reads and writes rows 0..T
-only. Rows past T are computed and dropped (each op of a piece is row-wise, so they never reach a
-real row).
+its attention with ``attention_context.eager_region``). A step of T tokens replays the pieces
+of the smallest captured size B >= T; its inputs go to static buffers whose rows T..B are padding
+(some earlier step's token ids and positions, cache slot -1: written nowhere), and every eager
+region reads and writes rows 0..T only. Rows past T are computed and dropped (each op of a piece
+is row-wise, so they never reach a real row).
 
-Memory: every piece of every size allocates from one private pool, which the runner shares
-with the decode graphs. What a replay needs kept across pieces (the attention's inputs, its
-output buffer, the final hidden states) is held as a non-owning alias, so the pool gives the
-blocks back once the capture's Python references are gone: later pieces and sizes reuse them,
-and the pool peaks at one forward of the largest size. That is safe because the pieces of a size
-replay in capture order on one stream and no two sizes' replays interleave; an alias is read
-only between the replay that writes it and the next replay.
+Memory: every piece of every size is captured on one stream into one private pool (the runner's,
+shared with the decode graphs; the caching allocator reuses a freed block only on the stream it
+was allocated on). What a replay needs kept across pieces (the attention's inputs, its output
+buffer, the final hidden states) is held as a non-owning alias, so the pool takes the blocks
+back once the capture's Python references are gone and later pieces and sizes reuse them. That
+is safe because the pieces of a size replay in capture order on one stream and no two sizes'
+replays interleave; an alias is read only between the replay that writes it and the next replay.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -48,14 +49,20 @@ def prefill_graph_sizes(limit: int) -> list[int]:
     return sizes + [limit] if limit > 0 else []
 
 
+class _Memory:
+    """Memory described by the CUDA array interface (``alias``)."""
+
+    def __init__(self, interface: dict):
+        self.__cuda_array_interface__ = interface
+
+
 def alias(t: torch.Tensor) -> torch.Tensor:
     """A view of CUDA tensor ``t``'s memory that does not keep it allocated (made through the CUDA
     array interface, as an integer tensor of ``t``'s element size viewed back as ``t.dtype``)."""
     itemsize = t.element_size()
-    memory = type("Memory", (), {})()
-    memory.__cuda_array_interface__ = {
-        "shape": tuple(t.shape), "strides": tuple(s * itemsize for s in t.stride()),
-        "typestr": {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[itemsize], "data": (t.data_ptr(), False), "version": 3}
+    memory = _Memory({"shape": tuple(t.shape), "strides": tuple(s * itemsize for s in t.stride()),
+                      "typestr": {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[itemsize],
+                      "data": (t.data_ptr(), False), "version": 3})
     return torch.as_tensor(memory, device=t.device).view(t.dtype)
 
 
@@ -115,12 +122,15 @@ class _Capture:
 
 def _host_sync(run_model: Callable[[int], torch.Tensor], size: int) -> str | None:
     """Why ``run_model(size)`` cannot be captured: the first line of the error of a call that
-    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``), or None."""
+    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``, process-wide while it
+    runs), or None. Running out of memory is no such reason: it raises."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         run_model(size)
         return None
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as error:
         return str(error).splitlines()[0]
     finally:
@@ -153,8 +163,8 @@ class PiecewiseGraphs:
         (e.g. a float32 MoE's grouped GEMM past 64 tokens reads its group ends) cannot be captured
         and is dropped with a warning (its steps run eagerly). Any other capture failure raises."""
         device, start, failed = self.input_ids.device, time.perf_counter(), {}
+        side = torch.cuda.Stream(device)  # one capture stream: each size reuses the blocks the last one freed
         for size in sorted(self.sizes, reverse=True):
-            side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 run_model(size)
@@ -168,6 +178,8 @@ class PiecewiseGraphs:
                         hidden = run_model(size)
                     capture.pieces[-1].capture_end()
                 except RuntimeError as error:
+                    with contextlib.suppress(RuntimeError):  # leave capture mode before raising
+                        capture.pieces[-1].capture_end()
                     raise RuntimeError(f"capturing the piecewise graphs of {size} tokens failed ({error}); "
                                        "--prefill-graph-tokens 0 runs steps with prefill chunks eagerly") from error
             torch.cuda.current_stream(device).wait_stream(side)
@@ -181,12 +193,12 @@ class PiecewiseGraphs:
             log.warning("piecewise graphs: %d of %d sizes sync with the host, their steps run eagerly (at %d tokens: "
                         "%s)", len(failed), len(failed) + len(self.graphs), size, failed[size])
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The hidden states [T, H] of a step of T = ``len(input_ids)`` tokens (T <= a captured size):
-        its inputs staged (padding rows write to slot -1), then the size's pieces replayed. Run
-        inside the step's attention context."""
+    def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The hidden states [T, H] of a step of T = ``len(input_ids)`` tokens replayed at ``size``
+        (``size_for(T)``): its inputs staged (padding rows write to slot -1), then the size's
+        pieces replayed. Run inside the step's attention context."""
         num_tokens = input_ids.shape[0]
-        size = self.size_for(num_tokens)
         self.stage(input_ids, positions, slot_mapping, size)
         self.replays += 1
         return self.graphs[size].replay(num_tokens)
