@@ -27,8 +27,9 @@ class Run:
     """One pytest run: ``single`` once (a pytest session per test file), ``torchrun`` once per entry of
     ``nproc``. ``timeout_s`` bounds a torchrun run's ranks, and each test file's session of a
     single run. ``alone``: where it runs (its requirements met), nothing else of the gate run runs
-    beside it: it waits for every running job to end, and no job starts until it has (a benchmark
-    whose figures another process on the GPU or the cores would change)."""
+    beside it: it starts once every running job has ended (jobs ahead of it in the queue may still
+    start first), and no job starts while it runs (a benchmark whose figures another process on
+    the GPU or the cores would change)."""
     mode: str
     tests: tuple[str, ...]
     nproc: tuple[int, ...] = ()

@@ -30,8 +30,9 @@ constrained answer valid): ``<model>_structured_vs_plain_throughput_ratio`` (jso
 tok/s under the same load, with each side's tok/s, the ITL p99 ratio and the grammar's compile
 and mask costs as peers; from a plain ``bench serve`` (a preset, ``--max-concurrency N``, every
 request completed): ``<model>_serve_cN_out_tok_s``, ``_itl_p50_ms``, ``_itl_p99_ms`` and
-``_ttft_p99_ms`` (``_serve_cN_budget<B>_...`` when the step's token budget is not the default).
-Latency reports also give ``<model>_ttft_<N>_ms``, the TTFT of one N-token prompt.
+``_ttft_p99_ms`` (``_serve_cN_budget<B>_...`` when the step's token budget is not the default,
+then ``_fp8kv``, ``_eager``, ``_prefill_graphs<N>`` likewise). Latency reports also give
+``<model>_ttft_<N>_ms``, the TTFT of one N-token prompt (``_prefill_graphs<N>`` after N when set).
 """
 from __future__ import annotations
 
@@ -107,6 +108,12 @@ def _kv(report: dict) -> str:
     return "" if report["settings"].get("kv_cache_dtype", "auto") == "auto" else "_fp8kv"
 
 
+def _prefill_graphs(report: dict) -> str:
+    """``_prefill_graphs<N>`` for a run that set ``--prefill-graph-tokens N``, else "" (the default)."""
+    tokens = report["settings"].get("prefill_graph_tokens")
+    return "" if tokens is None else f"_prefill_graphs{tokens}"
+
+
 def _latency(report: dict) -> dict:
     model, steps = _variant(report)
     mode = ("eager" if report["settings"]["enforce_eager"] else "graphs") + _kv(report)
@@ -114,7 +121,7 @@ def _latency(report: dict) -> dict:
             if isinstance(run, dict) and "tok_s" in run}
     figures = {f"{model}_b1_{mode}{steps}_tok_s": _figure(report["decode"]["tok_s"], "tok/s", "decode.tok_s", peer)}
     for ttft in report["ttft"]:
-        length, kv = ttft["prompt_len"], _kv(report)
+        length, kv = ttft["prompt_len"], _kv(report) + _prefill_graphs(report)
         figures[f"{model}_prefill_{length}{kv}{steps}_tok_s"] = _figure(
             length / ttft["ms"] * 1e3, "tok/s", f"ttft[prompt_len={length}]: prompt_len / ms")
         figures[f"{model}_ttft_{length}{kv}{steps}_ms"] = _figure(ttft["ms"], "ms", f"ttft[prompt_len={length}].ms")
@@ -189,7 +196,8 @@ STRUCTURED_PEERS = ("itl_p99_ratio", "compile_ms_cold", "compile_ms_cached", "ma
 
 def _plain_serve(report: dict) -> dict:
     """A plain load's output tok/s, ITL median and p99, TTFT p99, named by the preset, the
-    concurrency and, when not the default, the step's token budget (``_budget{N}``)."""
+    concurrency and what is not the default: the step's token budget (``_budget{N}``), an FP8 KV
+    cache, ``--enforce-eager``, ``--prefill-graph-tokens``."""
     from engine.engine_args import EngineArgs
 
     settings, serve = report["settings"], report["serve"]
@@ -201,7 +209,8 @@ def _plain_serve(report: dict) -> dict:
     model, steps = _variant(report)
     budget = settings.get("max_num_batched_tokens", EngineArgs.max_num_batched_tokens)
     name = f"{model}_serve_c{settings['max_concurrency']}" + (
-        "" if budget == EngineArgs.max_num_batched_tokens else f"_budget{budget}")
+        "" if budget == EngineArgs.max_num_batched_tokens else f"_budget{budget}") + _kv(report) + (
+        "_eager" if settings.get("enforce_eager") else "") + _prefill_graphs(report)
     peer = {"input_len": settings["input_len"], "output_len": settings["output_len"],
             "num_prompts": settings["num_prompts"], "max_num_batched_tokens": budget,
             "ttft_p50_ms": serve["ttft_ms"]["median"]}

@@ -142,7 +142,8 @@ def test_one_job_runs_one_thing_at_a_time(tmp_path):
     assert code == 0 and run["files"] == 3 and run["counts"]["passed"] == 3, out
 
 
-# Marks itself running, waits (2 s hang guard) for the benchmark file to start, then ends.
+# Marks itself running and fails if the benchmark is running; stays until 0.5 s after the
+# benchmark has started (2 s hang guard), so a benchmark started beside it sees its mark.
 BUSY = """
 import time
 from pathlib import Path
@@ -153,30 +154,38 @@ ROOT = Path(__file__).parents[2]
 def test_busy():
     mine = ROOT / (Path(__file__).parent.name + Path(__file__).stem + ".running")
     mine.write_text("")
+    assert not (ROOT / "bench.active").exists(), "started beside the benchmark"
     deadline = time.monotonic() + 2
     while not (ROOT / "bench.started").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.5)
     mine.unlink()
 """
 
-# Fails when any other file of the gate run is running when it starts.
+# Fails when any other file of the gate run runs during its first second.
 BENCH = """
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 
 
 def test_bench():
+    (ROOT / "bench.active").write_text("")
     (ROOT / "bench.started").write_text("")
-    assert not sorted(p.name for p in ROOT.glob("*.running"))
+    deadline = time.monotonic() + 1
+    while time.monotonic() < deadline:
+        assert not sorted(p.name for p in ROOT.glob("*.running"))
+        time.sleep(0.05)
+    (ROOT / "bench.active").unlink()
 """
 
 
 def test_a_run_marked_alone_has_nothing_beside_it(tmp_path):
     """Four slots, a phase with two busy files and a benchmark run marked alone, another phase with
-    a busy file: every busy file waits for the benchmark to start (2 s), so without ``alone`` the
-    benchmark would start beside them and fail; with it, it starts once they have ended and the
-    jobs after it wait for it."""
+    a busy file: each busy file lives until 0.5 s after the benchmark started (2 s at most), so
+    without ``alone`` the benchmark starts beside them and sees them; with it, it starts once they
+    have ended, and a busy file that would start while it runs fails."""
     runs = [{"mode": "single", "tests": ["phases/01_p/test_busy_a.py", "phases/01_p/test_busy_b.py"]},
             {"mode": "single", "tests": ["phases/01_p/test_bench.py"], "alone": True}]
     write_phase(tmp_path, "01", gate("01", runs=runs), {"test_busy_a.py": BUSY, "test_busy_b.py": BUSY,

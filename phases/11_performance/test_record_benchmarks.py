@@ -197,8 +197,9 @@ def test_a_structured_serve_report_records_the_constrained_over_plain_ratios():
 
 def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurrency_and_budget():
     """bench serve (plain load): output tok/s, ITL median and p99, TTFT p99 under the preset's name
-    and the concurrency, ``_budget<N>`` when the step's token budget is not the default; a run
-    with a failed request, or without a concurrency cap, has no figure."""
+    and the concurrency, ``_budget<N>``, ``_eager``, ``_prefill_graphs<N>``, ``_fp8kv`` when those
+    settings are not the default (no run replaces another's figures); a run with a failed request,
+    or without a concurrency cap, has no figure."""
     report = structured_serve_report(structured=None, input_len=512, output_len=128, num_prompts=8)
     report["serve"] = {"completed": 8, "output_throughput": 5000.0, "itl_ms": {"median": 6.5, "p99": 23.0},
                        "ttft_ms": {"median": 60.0, "p99": 900.0}}
@@ -207,8 +208,11 @@ def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurre
         "qwen3_8b_serve_c64_out_tok_s": 5000.0, "qwen3_8b_serve_c64_itl_p50_ms": 6.5,
         "qwen3_8b_serve_c64_itl_p99_ms": 23.0, "qwen3_8b_serve_c64_ttft_p99_ms": 900.0}
     assert figures["qwen3_8b_serve_c64_itl_p99_ms"]["peer"]["max_num_batched_tokens"] == 8192
-    budget = {**report, "settings": {**report["settings"], "max_num_batched_tokens": 1024}}
-    assert "qwen3_8b_serve_c64_budget1024_itl_p99_ms" in record_benchmarks.figures_of(budget)
+    for change, name in (({"max_num_batched_tokens": 1024}, "qwen3_8b_serve_c64_budget1024_itl_p99_ms"),
+                         ({"prefill_graph_tokens": 0, "enforce_eager": True},
+                          "qwen3_8b_serve_c64_eager_prefill_graphs0_itl_p99_ms"),
+                         ({"kv_cache_dtype": "fp8"}, "qwen3_8b_serve_c64_fp8kv_itl_p99_ms")):
+        assert name in record_benchmarks.figures_of({**report, "settings": {**report["settings"], **change}})
     with pytest.raises(ValueError, match="7 of 8 requests completed"):
         record_benchmarks.figures_of({**report, "serve": {**report["serve"], "completed": 7}})
     with pytest.raises(ValueError, match="needs --max-concurrency"):
