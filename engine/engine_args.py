@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve
+from engine.engine_config import DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, KV_CACHE_DTYPES, EngineConfig, resolve
 from engine.scheduler import ADMISSION_POLICIES
 from engine.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
@@ -38,6 +38,11 @@ class EngineArgs:
     max_num_batched_tokens: int = _option(8192, "--max-num-batched-tokens", "most tokens in one step (decodes and "
                                           "prompt chunks); longer prompts are prefilled in chunks (default 8192)",
                                           type=int)
+    prefill_tokens_beside_decodes: int | None = _option(
+        None, "--prefill-tokens-beside-decodes", "most prompt tokens a step that also decodes may carry: every stream "
+        "waits for the whole step, so this bounds the gap between two tokens under load (default: "
+        f"{DEFAULT_PREFILL_TOKENS_BESIDE_DECODES} on CUDA, 0 elsewhere; 0: only --max-num-batched-tokens caps it)",
+        type=int)
     admission: str = _option(ADMISSION_POLICIES[0], "--admission", "watermark: start a request when its prompt fits "
                              "the KV cache, preempting (and later recomputing) the newest requests when it runs out "
                              "(default); reserve: start one only when its prompt + max_tokens fits beside every "

@@ -120,7 +120,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, c.scheduler.admission, drafter=drafter,
-                                   on_free=self._release)
+                                   on_free=self._release,
+                                   prefill_tokens_beside_decodes=c.scheduler.prefill_tokens_beside_decodes)
         self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
         self._in_flight: LaunchedStep | None = None  # launched by the last step(), not read back yet
         self._grammar_compiler = None  # built by the first use of grammar_compiler (rank 0)

@@ -5,8 +5,12 @@ Every step is one ``ScheduledBatch`` under ``max_num_batched_tokens``: first one
 every running sequence that decodes (admission order), then the next chunks of running
 sequences whose prompt is only partly computed, then waiting sequences admitted in FCFS
 order. A prompt longer than what is left of the budget is prefilled in chunks over several
-steps; a chunk that stops short of the prompt's end samples nothing. No decode waits for a
-prefill.
+steps (any prompt of the step may be cut, so the step fills its budget); a chunk that stops
+short of the prompt's end samples nothing. No decode waits for a prefill. A step that decodes
+carries at most ``prefill_tokens_beside_decodes`` prompt tokens (0: no cap beyond the budget):
+every decode of a step waits for the whole step, so capping the prompt tokens beside them bounds
+the gap between two tokens of a stream (stall-free batching, as in Sarathi-Serve), while a step
+with nothing to decode still takes the whole budget.
 
 Lookahead: the engine may schedule step N+1 while step N still runs on the device, so a
 sequence's newest token can be *pending* (sampled on the device, not yet read back).
@@ -181,13 +185,17 @@ class Scheduler:
     ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
     list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
     ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
+    ``prefill_tokens_beside_decodes``: most prompt tokens in a step that decodes (0: the budget's).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_id: int | Iterable[int] | None, admission: str = "watermark",
-                 watermark: float = 0.01, drafter=None, on_free: Callable[[Sequence], None] | None = None):
+                 watermark: float = 0.01, drafter=None, on_free: Callable[[Sequence], None] | None = None,
+                 prefill_tokens_beside_decodes: int = 0):
         if max_num_seqs < 1 or max_model_len < 1:
             raise ValueError(f"max_num_seqs and max_model_len must be >= 1, got {max_num_seqs}, {max_model_len}")
+        if prefill_tokens_beside_decodes < 0:
+            raise ValueError(f"prefill_tokens_beside_decodes must be >= 0, got {prefill_tokens_beside_decodes}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs}): a decode batch has one token per sequence")
@@ -198,6 +206,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_tokens_beside_decodes = prefill_tokens_beside_decodes
         self.max_model_len = max_model_len
         self.admission = admission
         self.watermark = watermark
@@ -259,13 +268,13 @@ class Scheduler:
         if self.drafter is not None and not self._in_flight:
             self._draft(batch)
         budget = self.max_num_batched_tokens - batch.total_tokens
-        prefilling = False
+        if batch.seqs and self.prefill_tokens_beside_decodes:
+            budget = min(budget, self.prefill_tokens_beside_decodes)
         for seq in self.running:
             if seq.status is SequenceStatus.RUNNING_PREFILL and budget > 0:
                 budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-                prefilling = True
         if not self.needs_drain:
-            self._admit(batch, budget, prefilling)
+            self._admit(batch, budget)
         if batch.seqs:
             self._in_flight.append(batch)
         return batch
@@ -399,11 +408,11 @@ class Scheduler:
             self._add(batch, seq, 1)
         return len(batch.seqs)
 
-    def _admit(self, batch: ScheduledBatch, budget: int, prefilling: bool) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences in FCFS order while they fit the sequence and block budgets and
-        the token budget left; only the first prompt of a step may be cut into chunks (sequences
-        prefilled in one step cannot share the prefix blocks they compute, so a prompt that
-        would be cut waits for the next step).
+        the token budget left; the last one admitted may be cut into chunks. (Sequences prefilled
+        in one step cannot share the prefix blocks they compute: one whose prefix another is
+        computing waits for the step after, ``BlockManager.prefix_is_coming``.)
 
         A sequence gets blocks for its whole context when it is admitted, not chunk by
         chunk: admission is the one place that decides whether it fits, so a later chunk
@@ -413,8 +422,6 @@ class Scheduler:
         reserved = sum(self._max_blocks(s) - len(s.block_table) for s in self.running) if reserve else 0
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if prefilling and seq.num_tokens - bm.cached_prefix_len(seq) > budget:
-                break
             if bm.prefix_is_coming(seq):
                 break  # its prefix is being computed for another sequence: share it a step later
             if reserve:
@@ -432,7 +439,6 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            prefilling = True
 
     def _draft(self, batch: ScheduledBatch) -> None:
         """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest

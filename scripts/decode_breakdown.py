@@ -1,7 +1,8 @@
-"""Where a B=1 decode step goes with CUDA graphs: the engine step against the graph replay alone,
-and the replay's GPU kernels by name (torch profiler, CUPTI traces kernels inside graphs).
+"""Where a decode step of B sequences (default 1) goes with CUDA graphs: the engine step against
+the graph replay alone, and the replay's GPU kernels by name (torch profiler, CUPTI traces kernels
+inside graphs).
 
-    python scripts/decode_breakdown.py [--preset qwen3-8b] [--steps 100]
+    python scripts/decode_breakdown.py [--preset qwen3-8b] [--steps 100] [--batch 256 --prompt-len 512]
 
 Prints one JSON object: engine ms/step, replay GPU ms (CUDA events), host ms per step outside
 the replay (the difference), and the top kernels of one replay with their share.
@@ -33,13 +34,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together (default 1)")
     args = parser.parse_args()
     args.random_weights = True
     with open_engine(args) as (engine, _):
         runner = engine.runner
         rng = random.Random(args.seed)
-        engine.add_request(random_prompt(rng, args.prompt_len, engine.config.vocab_size),
-                           greedy(3 * args.steps + 20), detokenize=False)
+        for _ in range(args.batch):
+            engine.add_request(random_prompt(rng, args.prompt_len, engine.config.vocab_size),
+                               greedy(3 * args.steps + 20), detokenize=False)
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
         for _ in range(10):
             engine.step()
         torch.cuda.synchronize()
@@ -47,7 +53,7 @@ def main() -> int:
         for _ in range(args.steps):
             engine.step()
         step_ms = (time.perf_counter() - start) * 1e3 / args.steps
-        graph, _ = runner.graphs[1]
+        graph, _ = runner.graphs[min(size for size in runner.graphs if size >= args.batch)]
         replay_ms = []
         for _ in range(args.steps):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,10 +74,11 @@ def main() -> int:
                 kernels[event.name[:70]] += event.device_time
                 counts[event.name[:70]] += 1
         total = sum(kernels.values())
-        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:14]
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
         replay = statistics.median(replay_ms)
         print(json.dumps({
-            "preset": args.preset, "engine_ms_per_step": step_ms, "replay_gpu_ms": replay,
+            "preset": args.preset, "batch": args.batch, "prompt_len": args.prompt_len,
+            "engine_ms_per_step": step_ms, "replay_gpu_ms": replay,
             "host_ms_per_step_outside_replay": step_ms - replay, "kernels_in_one_replay": sum(counts.values()),
             "kernel_us_sum": total,
             "top_kernels": [{"name": n, "count": counts[n], "us": round(us, 1),

@@ -10,6 +10,8 @@
 #   ttft      python -m engine bench latency, Qwen3-8B: TTFT of 128 and 4,096 tokens and B=1 decode
 #   serve     python -m engine bench serve --launch, Qwen3-8B, 64 concurrent, 512 in / 128 out, 256 requests
 #   budgets   the same at each prefill budget per step (--max-num-batched-tokens) of $BUDGETS
+#   besides   the same at each cap on prompt tokens beside decodes (--prefill-tokens-beside-decodes) of $BESIDES
+#   throughput python -m engine bench throughput, Qwen3-8B (nano-vllm's shape), the default, then uncapped (0)
 #   gate11    python -m gates run --only 11
 #   summary   one line per figure
 source "$(dirname "$0")/gpu_common.sh"  # strict mode, $OUT, PYTHONPATH, fits, logged
@@ -58,6 +60,24 @@ budgets() {  # serve at each prefill budget per step of $BUDGETS (default 512 10
     done
 }
 
+besides() {  # serve at each cap on prompt tokens beside decodes of $BESIDES (default 256 512 0)
+    for tokens in ${BESIDES:-256 512 0}; do
+        fits 60 "serve beside $tokens" || return
+        logged "serve_beside_$tokens" 120 python3 -m engine bench serve --launch --preset qwen3-8b --random-weights \
+            --max-concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
+            --prefill-tokens-beside-decodes "$tokens" --output "$OUT/serve_qwen3_8b_c64_beside_$tokens.json"
+    done
+}
+
+throughput() {  # the default, then with no cap on prompt tokens beside decodes (its A/B peer)
+    fits 170 throughput || return
+    logged throughput 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights \
+        --output "$OUT/throughput_qwen3_8b.json"
+    fits 170 "throughput beside 0" || return
+    logged throughput_beside_0 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights \
+        --prefill-tokens-beside-decodes 0 --output "$OUT/throughput_qwen3_8b_beside_0.json"
+}
+
 gate11() {
     fits 150 gate11 || return
     logged gate11 140 python3 -m gates run --only 11 --report "$OUT/gate-report-11.json"
@@ -79,6 +99,8 @@ latency = load("latency_qwen3_8b.json")
 if latency:
     print("latency: decode", round(latency["decode"]["tok_s"], 1), "tok/s; TTFT",
           {t["prompt_len"]: round(t["ms"], 1) for t in latency["ttft"]})
+for path in sorted(out.glob("throughput_qwen3_8b*.json")):
+    print(path.stem, json.loads(path.read_text())["throughput"])
 for path in sorted(out.glob("serve_qwen3_8b_c64*.json")):
     s = json.loads(path.read_text())["serve"]
     print(path.stem, json.dumps({k: s.get(k) for k in ("completed", "failed", "output_throughput", "ttft_ms",

@@ -31,7 +31,8 @@ tok/s under the same load, with each side's tok/s, the ITL p99 ratio and the gra
 and mask costs as peers; from a plain ``bench serve`` (a preset, ``--max-concurrency N``, every
 request completed): ``<model>_serve_cN_out_tok_s``, ``_itl_p50_ms``, ``_itl_p99_ms`` and
 ``_ttft_p99_ms`` (``_serve_cN_budget<B>_...`` when the step's token budget is not the default,
-then ``_fp8kv``, ``_eager``, ``_prefill_graphs<N>`` likewise). Latency reports also give
+then ``_beside<N>`` (``--prefill-tokens-beside-decodes``, on throughput figures too), ``_fp8kv``,
+``_eager``, ``_prefill_graphs<N>`` likewise). Latency reports also give
 ``<model>_ttft_<N>_ms``, the TTFT of one N-token prompt (``_prefill_graphs<N>`` after N when set).
 """
 from __future__ import annotations
@@ -114,6 +115,12 @@ def _prefill_graphs(report: dict) -> str:
     return "" if tokens is None else f"_prefill_graphs{tokens}"
 
 
+def _beside(report: dict) -> str:
+    """``_beside<N>`` for a run that set ``--prefill-tokens-beside-decodes N``, else "" (the default)."""
+    tokens = report["settings"].get("prefill_tokens_beside_decodes")
+    return "" if tokens is None else f"_beside{tokens}"
+
+
 def _latency(report: dict) -> dict:
     model, steps = _variant(report)
     mode = ("eager" if report["settings"]["enforce_eager"] else "graphs") + _kv(report)
@@ -134,14 +141,14 @@ def _throughput(report: dict) -> dict:
         raise ValueError(f"throughput names are for nano-vllm's shape {NANO_VLLM_SHAPE}; this run is {shape}")
     model, steps = _variant(report)
     peer = report.get("compare_hf", {}).get("ratios", {})
-    name = f"{model}_throughput{_kv(report)}_out{steps}_tok_s"
+    name = f"{model}_throughput{_kv(report)}{_beside(report)}_out{steps}_tok_s"
     figures = {name: _figure(report["throughput"]["output_tok_s"], "tok/s", "throughput.output_tok_s", peer)}
     monitor = report.get("gpu_monitor", {})
     timed = monitor.get("timed_run", {}).get("devices")  # the timed run alone, without load and warm-up
     devices, source = (timed, "gpu_monitor.timed_run") if timed else (monitor.get("devices"), "gpu_monitor")
     if devices:
-        figures[f"{model}_throughput{_kv(report)}_gpu_busy{steps}_pct"] = _figure(devices[0]["util_pct_mean"], "%",
-                                                                     f"{source}.devices[0].util_pct_mean (NVML)")
+        figures[f"{model}_throughput{_kv(report)}{_beside(report)}_gpu_busy{steps}_pct"] = _figure(
+            devices[0]["util_pct_mean"], "%", f"{source}.devices[0].util_pct_mean (NVML)")
     return figures
 
 
@@ -197,7 +204,7 @@ STRUCTURED_PEERS = ("itl_p99_ratio", "compile_ms_cold", "compile_ms_cached", "ma
 def _plain_serve(report: dict) -> dict:
     """A plain load's output tok/s, ITL median and p99, TTFT p99, named by the preset, the
     concurrency and what is not the default: the step's token budget (``_budget{N}``), an FP8 KV
-    cache, ``--enforce-eager``, ``--prefill-graph-tokens``."""
+    cache, ``--enforce-eager``, ``--prefill-graph-tokens``, ``--prefill-tokens-beside-decodes``."""
     from engine.engine_args import EngineArgs
 
     settings, serve = report["settings"], report["serve"]
@@ -209,7 +216,7 @@ def _plain_serve(report: dict) -> dict:
     model, steps = _variant(report)
     budget = settings.get("max_num_batched_tokens", EngineArgs.max_num_batched_tokens)
     name = f"{model}_serve_c{settings['max_concurrency']}" + (
-        "" if budget == EngineArgs.max_num_batched_tokens else f"_budget{budget}") + _kv(report) + (
+        "" if budget == EngineArgs.max_num_batched_tokens else f"_budget{budget}") + _beside(report) + _kv(report) + (
         "_eager" if settings.get("enforce_eager") else "") + _prefill_graphs(report)
     peer = {"input_len": settings["input_len"], "output_len": settings["output_len"],
             "num_prompts": settings["num_prompts"], "max_num_batched_tokens": budget,

@@ -137,14 +137,14 @@ class StepChecker:
         assert admitted == queue[:len(admitted)] and list(sched.waiting) == queue[len(admitted):], \
             "admission takes the queue in order, preempted sequences first"
         assert not admitted or not sched.needs_drain, "admitted while a decode waits for a block"
-        prefilling = bool(rest[:len(partial)])
+        cap = sched.prefill_tokens_beside_decodes
+        assert not (num_decode and cap) or sum(batch.num_tokens[num_decode:]) <= cap, \
+            "more prompt tokens beside decodes than prefill_tokens_beside_decodes"
         for seq, start, n in zip(seqs, batch.starts, batch.num_tokens):
             rid = seq.request_id
             if seq in admitted:  # (re)admitted: hits are computed; it starts after them
                 assert start == seq.num_cached_tokens and seq.status in (S.RUNNING_PREFILL, S.RUNNING_DECODE)
-                assert not prefilling or start + n == seq.num_known_tokens, \
-                    "only a step's first prompt may be cut into chunks"
-                prefilling = True
+                assert seq is admitted[-1] or start + n == seq.num_known_tokens, "only the last admitted is cut"
                 self.chunk_start[rid] = start
                 self.tables[rid] = []  # a fresh table (a preempted sequence may be re-admitted at once)
             assert start == self.chunk_start[rid], "a token computed twice or skipped"
@@ -160,13 +160,16 @@ class StepChecker:
             if seq.status is S.WAITING:  # (else re-admitted at once, largely from its own published blocks)
                 assert seq.block_table == [] and seq.num_computed_tokens == 0
                 self.tables[seq.request_id] = []
-        self.check_head(batch, prefilling=len(seqs) > num_decode)
+        self.check_head(batch, num_decode)
 
-    def check_head(self, batch: ScheduledBatch, prefilling: bool):
-        """Admission stopped for a reason: no seat, no budget, a decode waiting for a block, or the
-        queue's head does not fit (its blocks, or whole when a prompt is already prefilling)."""
+    def check_head(self, batch: ScheduledBatch, num_decode: int):
+        """Admission stopped for a reason: no seat, no token budget left (the step's, or the cap on
+        prompt tokens beside decodes), a decode waiting for a block, or the queue's head's blocks do
+        not fit: a step fills its budget, cutting a prompt where it must."""
         sched, bm = self.sched, self.bm
         budget = sched.max_num_batched_tokens - batch.total_tokens
+        if num_decode and sched.prefill_tokens_beside_decodes:
+            budget = min(budget, sched.prefill_tokens_beside_decodes - sum(batch.num_tokens[num_decode:]))
         if not sched.waiting or len(sched.running) >= sched.max_num_seqs or budget == 0 or sched.needs_drain:
             return
         head = sched.waiting[0]
@@ -177,8 +180,7 @@ class StepChecker:
                 return worst_case_blocks(seq, sched.max_model_len, bm.block_size) - len(seq.block_table)
             reserved = sum(map(growth, sched.running)) + growth(head) - blocks(head.num_tokens, bm.block_size)
             fits = bm.can_allocate(head, num_reserved=reserved)
-        cut = prefilling and head.num_tokens - bm.cached_prefix_len(head) > budget
-        assert not fits or cut or bm.prefix_is_coming(head), "a waiting request that fits was not admitted"
+        assert not fits or bm.prefix_is_coming(head), "a waiting request that fits was not admitted"
 
     def run(self, batch: ScheduledBatch, token_ids: list[int]):
         """The device runs ``batch`` (read back now): check the context each entry reads, write
@@ -215,18 +217,19 @@ class StepChecker:
 @given(admission=st.sampled_from(["watermark", "reserve"]), overlap=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(2, 24), max_num_seqs=st.integers(1, 4),
        budget_slack=st.integers(-24, 8), pool_slack=st.integers(-2, 6), requests=requests_strategy,
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), beside=st.sampled_from([0, 0, 1, 2, 5]))
 def test_scheduler_properties(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack,
-                              pool_slack, requests, seed):
+                              pool_slack, requests, seed, beside):
     """Random workloads (shared prefixes, staggered arrivals, aborts, random tokens with EOS,
-    token budgets below the prompt lengths, pools too small for every request at once) under
+    token budgets below the prompt lengths, pools too small for every request at once, a cap on
+    the prompt tokens beside decodes or none) under
     both admission policies, synchronous or with one step in flight, checked step by step
     against the rules and a model of the KV cache: every token is computed exactly once, no
     token computed after a sequence finished reaches it, preempted sequences keep their output
     and come back first, no block is freed while a step in flight writes it, nothing leaks,
     every request finishes."""
     run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
-                 seed)
+                 seed, beside)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -250,7 +253,7 @@ def test_preemption_properties(overlap, block_size, max_model_len, max_num_seqs,
 
 
 def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
-                 seed) -> tuple[Scheduler, StepChecker]:
+                 seed, beside=0) -> tuple[Scheduler, StepChecker]:
     """Drive a Scheduler through ``requests`` (arrivals, aborts, random tokens) the way the engine
     does — with ``overlap`` the next step is scheduled before the previous is read back, and a
     ``needs_drain`` step reads it back first — checking every step."""
@@ -258,7 +261,8 @@ def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, bu
     budget = max(max_num_seqs, max_model_len + budget_slack)
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission, on_free=Freed())
+    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission, on_free=Freed(),
+                      prefill_tokens_beside_decodes=beside)
     check = StepChecker(sched, block_size)
     families = [[rng.randint(1, 5) for _ in range(8)] for _ in range(3)]
     seqs = [Sequence(families[r["family"]][:r["shared"]] + r["tail"],
@@ -596,25 +600,46 @@ def test_watermark_admission_preempts_the_newest_and_recomputes_it():
 def test_chunked_prefill_covers_the_prompt_and_samples_only_at_its_end():
     """A prompt over max_num_batched_tokens runs in chunks of at most that many tokens, each
     starting where the last ended; only the last chunk samples. A prompt that arrives meanwhile
-    waits for a step with room for it whole, then prefills beside the first one's decode."""
+    takes what budget the first one leaves (cut too), then finishes beside the first one's decode."""
     sched, bm = make_scheduler(num_blocks=16, block_size=2, max_num_batched_tokens=4)
     long = Sequence(list(range(1, 11)), SamplingParams(max_tokens=2), request_id="long")
     sched.add(long)
-    chunks = []
-    for step in range(3):
+    steps = []
+    for step in range(4):
         batch = sched.schedule()
-        assert batch.seqs == [long]
-        chunks.append((batch.starts[0], batch.num_tokens[0], batch.samples[0]))
+        steps.append(entries(batch))
         if step == 0:
             sched.add(short := Sequence([7, 8, 9], SamplingParams(max_tokens=2), request_id="short"))
         sched.postprocess(batch, [5] * len(batch))
-        assert long.output_token_ids == ([5] if step == 2 else [])
-    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)] and long.status is S.RUNNING_DECODE
-    assert short.status is S.WAITING  # step 2 left 2 tokens of budget, short has 3
-    batch = sched.schedule()
-    assert entries(batch) == [("long", 10, 1), ("short", 0, 3)]
-    sched.postprocess(batch, [5, 5])
+        assert long.output_token_ids == ([5] if step == 2 else [5, 5] if step == 3 else [])
+    assert steps == [[("long", 0, 4)], [("long", 4, 4)], [("long", 8, 2), ("short", 0, 2)],
+                     [("long", 10, 1), ("short", 2, 1)]]
     assert short.output_token_ids == [5] and long.finish_reason == "length"
+
+
+def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_takes_the_budget():
+    """With ``prefill_tokens_beside_decodes`` a step that decodes carries at most that many
+    prompt tokens (a long prompt goes on in chunks of that size, a second prompt cut beside it),
+    while a step with nothing to decode fills the whole token budget."""
+    bm = BlockManager(32, 2)
+    sched = Scheduler(bm, 4, 16, 64, eos_token_id=EOS, prefill_tokens_beside_decodes=3)
+    first = Sequence(list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True), request_id="first")
+    sched.add(first)
+    batch = sched.schedule()
+    assert entries(batch) == [("first", 0, 12)]  # nothing decodes: the whole prompt (budget 16)
+    sched.postprocess(batch, [5])
+    for rid, base in (("second", 20), ("third", 30)):
+        sched.add(Sequence(list(range(base, base + 5)), SamplingParams(max_tokens=2, ignore_eos=True), request_id=rid))
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append(entries(batch))
+        sched.postprocess(batch, [5] * batch.num_logits_rows)
+    assert steps == [[("first", 12, 1), ("second", 0, 3)],
+                     [("first", 13, 1), ("second", 3, 2), ("third", 0, 1)],
+                     [("first", 14, 1), ("second", 5, 1), ("third", 1, 3)]]
+    with pytest.raises(ValueError, match="prefill_tokens_beside_decodes"):
+        Scheduler(BlockManager(4, 2), 1, 4, 8, eos_token_id=EOS, prefill_tokens_beside_decodes=-1)
 
 
 def test_abort_and_failure_mid_prefill_and_while_preempted():

@@ -112,3 +112,32 @@ def test_reserve_admission_from_the_command_line(cases):
     assert run(engine, prompts) == expected
     assert engine.scheduler.num_preemptions == 0
     assert_no_block_leaks(engine)
+
+
+def test_prompt_tokens_beside_decodes_from_the_command_line(cases):
+    """``--prefill-tokens-beside-decodes 5`` reaches the scheduler: no step that decodes carries
+    more than 5 prompt tokens while steps without decodes take up to the budget, and the tokens
+    are HF's. Off the GPU the default is 0 (no cap); a negative cap is refused where it enters."""
+    path, prompts, expected = cases["Qwen3ForCausalLM"]
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    flags = ["--model", str(path), "--device", "cpu", "--block-size", "4", "--max-num-seqs", "4",
+             "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+    assert EngineArgs.from_cli_args(parser.parse_args(flags)).create_engine_config() \
+        .scheduler.prefill_tokens_beside_decodes == 0
+    with pytest.raises(ValueError, match="prefill_tokens_beside_decodes must be >= 0"):
+        EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "-1"])) \
+            .create_engine_config()
+    engine = EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "5"])).build()
+    steps = []  # (decodes, prompt tokens) of every step launched
+    real_launch = engine.runner.launch
+
+    def recording_launch(batch, previous=None):
+        decodes = sum(start >= seq.num_prompt_tokens for seq, start in zip(batch.seqs, batch.starts))
+        steps.append((decodes, batch.total_tokens - decodes))
+        return real_launch(batch, previous)
+    engine.runner.launch = recording_launch
+    assert run(engine, prompts) == expected
+    assert all(prompt <= 5 for decodes, prompt in steps if decodes), steps
+    assert max(prompt for decodes, prompt in steps if not decodes) > 5, steps
+    assert_no_block_leaks(engine)

@@ -135,6 +135,9 @@ def test_gpu_busy_is_read_from_the_timed_run_when_the_report_has_it():
     timed = record_benchmarks.figures_of(report)["qwen3_8b_throughput_gpu_busy_pct"]
     assert (whole["value"], timed["value"]) == (60.0, 95.0)
     assert timed["from"].startswith("gpu_monitor.timed_run")
+    uncapped = {**report, "settings": {**settings, "prefill_tokens_beside_decodes": 0}}  # an A/B run: its own names
+    assert sorted(record_benchmarks.figures_of(uncapped)) == ["qwen3_8b_throughput_beside0_gpu_busy_pct",
+                                                              "qwen3_8b_throughput_beside0_out_tok_s"]
 
 
 def test_a_throughput_run_off_nano_vllms_shape_has_no_headline_name():
@@ -197,7 +200,7 @@ def test_a_structured_serve_report_records_the_constrained_over_plain_ratios():
 
 def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurrency_and_budget():
     """bench serve (plain load): output tok/s, ITL median and p99, TTFT p99 under the preset's name
-    and the concurrency, ``_budget<N>``, ``_eager``, ``_prefill_graphs<N>``, ``_fp8kv`` when those
+    and the concurrency, ``_budget<N>``, ``_beside<N>``, ``_eager``, ``_prefill_graphs<N>``, ``_fp8kv`` when those
     settings are not the default (no run replaces another's figures); a run with a failed request,
     or without a concurrency cap, has no figure."""
     report = structured_serve_report(structured=None, input_len=512, output_len=128, num_prompts=8)
@@ -211,7 +214,9 @@ def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurre
     for change, name in (({"max_num_batched_tokens": 1024}, "qwen3_8b_serve_c64_budget1024_itl_p99_ms"),
                          ({"prefill_graph_tokens": 0, "enforce_eager": True},
                           "qwen3_8b_serve_c64_eager_prefill_graphs0_itl_p99_ms"),
-                         ({"kv_cache_dtype": "fp8"}, "qwen3_8b_serve_c64_fp8kv_itl_p99_ms")):
+                         ({"kv_cache_dtype": "fp8"}, "qwen3_8b_serve_c64_fp8kv_itl_p99_ms"),
+                         ({"max_num_batched_tokens": 2048, "prefill_tokens_beside_decodes": 0},
+                          "qwen3_8b_serve_c64_budget2048_beside0_itl_p99_ms")):
         assert name in record_benchmarks.figures_of({**report, "settings": {**report["settings"], **change}})
     with pytest.raises(ValueError, match="7 of 8 requests completed"):
         record_benchmarks.figures_of({**report, "serve": {**report["serve"], "completed": 7}})
