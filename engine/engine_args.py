@@ -41,7 +41,8 @@ class EngineArgs:
     prefill_tokens_beside_decodes: int | None = _option(
         None, "--prefill-tokens-beside-decodes", "most prompt tokens a step that also decodes may carry: every stream "
         "waits for the whole step, so this bounds the gap between two tokens under load (default: "
-        f"{DEFAULT_PREFILL_TOKENS_BESIDE_DECODES} on CUDA, 0 elsewhere; 0: only --max-num-batched-tokens caps it)",
+        f"{DEFAULT_PREFILL_TOKENS_BESIDE_DECODES} when serving on CUDA, else 0; 0: only --max-num-batched-tokens "
+        "caps it)",
         type=int)
     admission: str = _option(ADMISSION_POLICIES[0], "--admission", "watermark: start a request when its prompt fits "
                              "the KV cache, preempting (and later recomputing) the newest requests when it runs out "
@@ -76,6 +77,9 @@ class EngineArgs:
                                      "(default 2)", type=int)
     prompt_lookup_max: int = _option(4, "--prompt-lookup-max", "longest suffix the n-gram drafter looks up, tried "
                                      "first (default 4)", type=int)
+    serving: bool = field(default=False, metadata={"help": "the engine streams tokens to clients (``serve`` sets "
+                                                   "it): the default prefill_tokens_beside_decodes caps the prompt "
+                                                   "tokens beside decodes on CUDA"})
     reserve_bytes: int = field(default=2 << 30, metadata={"help": "device memory the KV cache leaves free"})
     progress: bool | None = field(default=None, metadata={"help": "a loading bar (default: on a terminal, rank 0)"})
 

@@ -31,7 +31,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
 BACKENDS = ("tp", *FORCED_CLASSES, "hf")
 DEFAULT_PREFILL_GRAPH_TOKENS = 2048  # steps above it are GPU-bound on an H200: their host dispatch hides
-# a step of 64 decodes and this many prompt tokens takes ~2.5 x a decode step of Qwen3-8B on an H200
+# serving Qwen3-8B on an H200 (64 streams, 512 in / 128 out): ITL p99 1.6 x its median at this cap, 25 x without
 DEFAULT_PREFILL_TOKENS_BESIDE_DECODES = 384
 
 
@@ -79,8 +79,9 @@ class SchedulerSettings:
     sequence: never below ``max_num_seqs``); ``max_model_len`` (default the model's
     ``max_position_embeddings``) bounds prompt + output; ``admission`` ("watermark" or "reserve",
     ``engine.scheduler``); ``prefill_tokens_beside_decodes``: most prompt tokens in a step that
-    decodes (default ``DEFAULT_PREFILL_TOKENS_BESIDE_DECODES`` on CUDA, measured on the H200 in
-    BENCHMARKS.md; 0, no cap beyond the budget, elsewhere); ``overlap``: one step in flight while
+    decodes (default ``DEFAULT_PREFILL_TOKENS_BESIDE_DECODES`` for a serving engine on CUDA, where
+    it bounds the gap between two streamed tokens, measured on the H200 in BENCHMARKS.md; 0, no
+    cap beyond the budget, for offline work, whose throughput the cap lowers); ``overlap``: one step in flight while
     the next is scheduled (off for the hf backend, which runs each step at launch, and with
     speculation, whose drafts need every token on the host)."""
 
@@ -213,16 +214,16 @@ def resolve(args: EngineArgs) -> EngineConfig:
         CacheSettings(args.block_size, _kv_cache_dtype(args.kv_cache_dtype, ours), args.mem_utilization,
                       args.reserve_bytes, args.enable_prefix_caching and ours),
         SchedulerSettings(max_num_seqs, max_num_batched_tokens, max_model_len, args.admission,
-                          _prefill_tokens_beside_decodes(args.prefill_tokens_beside_decodes, device),
+                          _prefill_tokens_beside_decodes(args.prefill_tokens_beside_decodes, device, args.serving),
                           args.overlap and ours and speculative.method is None),
         ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs and ours,
                                                                     max_num_batched_tokens), args.custom_all_reduce),
         speculative, progress)
 
 
-def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device) -> int:
+def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, serving: bool) -> int:
     if requested is None:
-        return DEFAULT_PREFILL_TOKENS_BESIDE_DECODES if device.type == "cuda" else 0
+        return DEFAULT_PREFILL_TOKENS_BESIDE_DECODES if serving and device.type == "cuda" else 0
     if requested < 0:
         raise ValueError(f"prefill_tokens_beside_decodes must be >= 0 (0: no cap), got {requested}")
     return requested

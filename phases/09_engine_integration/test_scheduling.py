@@ -3,8 +3,10 @@ preemption by recompute under watermark admission, chunked prefill, and the rese
 import argparse
 
 import pytest
+import torch
 
 from engine.engine_args import EngineArgs
+from engine.engine_config import DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, _prefill_tokens_beside_decodes
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix, shrink_kv_pool
@@ -117,14 +119,18 @@ def test_reserve_admission_from_the_command_line(cases):
 def test_prompt_tokens_beside_decodes_from_the_command_line(cases):
     """``--prefill-tokens-beside-decodes 5`` reaches the scheduler: no step that decodes carries
     more than 5 prompt tokens while steps without decodes take up to the budget, and the tokens
-    are HF's. Off the GPU the default is 0 (no cap); a negative cap is refused where it enters."""
+    are HF's. The default caps only a serving engine on CUDA (offline work keeps its throughput),
+    so it is 0 here; a negative cap is refused where it enters."""
     path, prompts, expected = cases["Qwen3ForCausalLM"]
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     flags = ["--model", str(path), "--device", "cpu", "--block-size", "4", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "64", "--max-model-len", "128"]
-    assert EngineArgs.from_cli_args(parser.parse_args(flags)).create_engine_config() \
-        .scheduler.prefill_tokens_beside_decodes == 0
+    serving = EngineArgs.from_cli_args(parser.parse_args(flags))
+    serving.serving = True
+    assert serving.create_engine_config().scheduler.prefill_tokens_beside_decodes == 0
+    assert [_prefill_tokens_beside_decodes(None, torch.device("cuda"), serving) for serving in (True, False)] == \
+        [DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, 0]
     with pytest.raises(ValueError, match="prefill_tokens_beside_decodes must be >= 0"):
         EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "-1"])) \
             .create_engine_config()
