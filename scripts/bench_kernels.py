@@ -1,10 +1,11 @@
 """Benchmark the engine.kernels ops on CUDA against copy bandwidth and torch eager.
 
-    python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode gemv prefill]
+    python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode decode_fp8 gemv prefill]
 
 Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
 and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
-at decode and prefill sizes; paged decode also with its one-launch merge, and the decode
+at decode and prefill sizes; paged decode also with its one-launch merge and, at the offline
+throughput's 256 sequences, over a bf16 and an e4m3 cache with several key tiles; and the decode
 GEMV (best config per shape) against cuBLAS on Qwen3-8B's linears. Times are medians of CUDA-event timings from
 triton.testing.do_bench, which clears the L2 cache before every call, so no
 timing measures data left in L2. Our kernels are timed as CUDA-graph replays
@@ -172,6 +173,24 @@ def bench_decode(results, copy):
                 lambda: reference.paged_decode_attention(*args), batch * ctx * width * 2, copy=copy)
 
 
+def bench_decode_fp8(results, copy):
+    """Decode attention at the offline throughput's shape (Qwen3-8B, 256 sequences, 512 tokens of
+    context, block size 16) over a bf16 and an e4m3 cache, with each key tile (``block_n``,
+    ``num_stages``) to try: an e4m3 tile holds half a bf16 tile's bytes."""
+    hq, hk, d, batch, ctx = QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"], 256, 512
+    q = rand(batch, hq, d)
+    k_cache, v_cache, tables, lens = paged_inputs(batch, ctx, 16, hk, d, d)
+    for label, cache_dtype in (("bf16", DTYPE), ("e4m3", torch.float8_e4m3fn)):
+        k, v = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        nbytes = 2 * batch * ctx * hk * d * k.element_size()
+        for block_n, num_stages in ((64, 2), (128, 2), (64, 3), (128, 3), (128, 4), (256, 2)):
+            args = (q, k, v, tables, lens, d ** -0.5)
+            row(results, f"paged_decode {label} cache", "qwen3-8b",
+                f"B={batch} ctx={ctx} tile={block_n}x{num_stages}",
+                lambda: ours.paged_decode_attention(*args, block_n=block_n, num_stages=num_stages),
+                lambda: reference.paged_decode_attention(*args), nbytes, copy=copy)
+
+
 def bench_gemv(results, copy):
     """The decode GEMV on Qwen3-8B's linears (down_proj with its SiLU-and-mul prologue) at 1, 4 and 8
     rows: every config as a graph replay, the best against cuBLAS (``F.linear``, after
@@ -225,7 +244,7 @@ def bench_prefill(results):
 
 
 SECTIONS = {"elementwise": bench_elementwise, "rotary": bench_rotary_and_store, "decode": bench_decode,
-            "gemv": bench_gemv, "prefill": lambda results, copy: bench_prefill(results)}
+            "decode_fp8": bench_decode_fp8, "gemv": bench_gemv, "prefill": lambda results, copy: bench_prefill(results)}
 
 
 def main() -> None:

@@ -54,11 +54,16 @@ def test_store_into_an_fp8_cache_saturates_and_rounds(target, with_value):
         assert_e4m3_equal(v_cache, want[1][0], "v_cache")
 
 
-@pytest.mark.parametrize("latent", [False, True])
-def test_paged_decode_reads_an_fp8_cache(target, latent):
+@pytest.mark.parametrize("latent,tile", [(False, None), (True, None), (False, (128, 3)), (False, (16, 1))])
+def test_paged_decode_reads_an_fp8_cache(target, latent, tile):
     """Decode attention over e4m3 caches (GQA 4, block size 16, contexts across blocks; MLA's one
     512 + 64 latent head with V its first 512 channels) equals float64 attention over the
-    cache's e4m3 values, the query in the target dtype."""
+    cache's e4m3 values, the query in the target dtype; on the Triton backend also with other key
+    tiles (``block_n``, ``num_stages``): 128 tokens, wider than every context, and 16 tokens, one
+    cache block per loop step."""
+    if tile is not None and "triton" not in target.module:
+        pytest.skip("block_n and num_stages are Triton-backend knobs")
+    knobs = {} if tile is None else dict(zip(("block_n", "num_stages"), tile))
     gen = torch.Generator().manual_seed(11 + latent)
     kv_heads, ratio, dim, v_dim = (1, 16, 576, 512) if latent else (2, 4, 128, 128)
     block_size, context_lens = 16, [1, 17, 40]
@@ -71,11 +76,11 @@ def test_paged_decode_reads_an_fp8_cache(target, latent):
     scale = dim ** -0.5
     out = target.ops.paged_decode_attention(q, k_cache, v_cache, tables.to(target.device),
                                             torch.tensor(context_lens, dtype=torch.int32, device=target.device),
-                                            scale, v_dim if latent else None)
+                                            scale, v_dim if latent else None, **knobs)
     assert out.dtype == q.dtype
     want = decode_truth(q, k_cache.cpu().double(), None if latent else v_cache.cpu().double(), tables, context_lens,
                         scale, v_dim)
-    assert_close(out, want, target.tol, f"paged decode over an e4m3 cache (latent={latent})")
+    assert_close(out, want, target.tol, f"paged decode over an e4m3 cache (latent={latent}, tile={tile})")
 
 
 def test_qk_norm_rope_store_into_an_fp8_cache(target):

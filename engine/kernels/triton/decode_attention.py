@@ -153,12 +153,17 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
-                           num_splits: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, fused_merge: bool | None = None,
+                           block_n: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
     SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
     (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
-    of a second launch. One split never needs a merge. ``q_rope`` is read in place when ``q``
-    fills the head dim's main block exactly (MLA: 512 | 64), else concatenated first."""
+    of a second launch. One split never needs a merge. ``block_n`` (None = 64 tokens, 32 for
+    MLA's wide heads; a power of two >= 16) is the key tile a loop step loads and ``num_stages``
+    how many tiles the compiler keeps in flight (``scripts/bench_kernels.py --only decode_fp8``
+    times them on an e4m3 cache, whose tile holds half a bf16 tile's bytes). ``q_rope`` is read
+    in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
+    concatenated first."""
     head_dim = k_cache.shape[3]
     block_d, block_tail = head_dim_blocks(head_dim)
     if q_rope is not None and (q.shape[2] != block_d or q_rope.stride(-1) != 1):
@@ -173,7 +178,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_dv = max(16, next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
     block_g = min(max(16, next_power_of_2(group)), 16 if wide else 64)
-    block_n = 32 if wide else 64
+    if block_n is None:
+        block_n = 32 if wide else 64
+    elif block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"paged_decode_attention: block_n must be a power of two >= 16, got {block_n}")
     head_blocks = cdiv(group, block_g)
     capacity = block_tables.shape[1] * page
     programs = batch * num_kv_heads * head_blocks
@@ -197,7 +205,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *values.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
-        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=2)
+        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=num_stages)
     if result == WRITE_PARTS.value:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
