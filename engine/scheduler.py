@@ -7,10 +7,12 @@ sequences whose prompt is only partly computed, then waiting sequences admitted 
 order. A prompt longer than what is left of the budget is prefilled in chunks over several
 steps (any prompt of the step may be cut, so the step fills its budget); a chunk that stops
 short of the prompt's end samples nothing. No decode waits for a prefill. A step that decodes
-carries at most ``prefill_tokens_beside_decodes`` prompt tokens (0: no cap beyond the budget):
-every decode of a step waits for the whole step, so capping the prompt tokens beside them bounds
-the gap between two tokens of a stream (stall-free batching, as in Sarathi-Serve), while a step
-with nothing to decode still takes the whole budget.
+(or whose decodes wait for a block) carries at most ``prefill_tokens_beside_decodes`` prompt
+tokens (0: no cap beyond the budget): every decode of a step waits for the whole step, so capping
+the prompt tokens beside them bounds the gap between two tokens of a stream (stall-free
+batching, as in Sarathi-Serve), while a step with nothing to decode still takes the whole
+budget. Drafted tokens (below) are the streams' own work: they take the budget before the prompt
+tokens and do not count against the cap.
 
 Lookahead: the engine may schedule step N+1 while step N still runs on the device, so a
 sequence's newest token can be *pending* (sampled on the device, not yet read back).
@@ -268,7 +270,7 @@ class Scheduler:
         if self.drafter is not None and not self._in_flight:
             self._draft(batch)
         budget = self.max_num_batched_tokens - batch.total_tokens
-        if batch.seqs and self.prefill_tokens_beside_decodes:
+        if self.prefill_tokens_beside_decodes and (batch.seqs or self.needs_drain):  # decodes run, or wait
             budget = min(budget, self.prefill_tokens_beside_decodes)
         for seq in self.running:
             if seq.status is SequenceStatus.RUNNING_PREFILL and budget > 0:
@@ -411,8 +413,9 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences in FCFS order while they fit the sequence and block budgets and
         the token budget left; the last one admitted may be cut into chunks. (Sequences prefilled
-        in one step cannot share the prefix blocks they compute: one whose prefix another is
-        computing waits for the step after, ``BlockManager.prefix_is_coming``.)
+        in one step cannot share the prefix blocks they compute: one whose next prefix block another
+        is computing waits, and the queue behind it, until that block is published,
+        ``BlockManager.prefix_is_coming``.)
 
         A sequence gets blocks for its whole context when it is admitted, not chunk by
         chunk: admission is the one place that decides whether it fits, so a later chunk

@@ -39,6 +39,9 @@ def main() -> int:
     args.random_weights = True
     with open_engine(args) as (engine, _):
         runner = engine.runner
+        if not runner.graphs or args.batch > max(runner.graphs) or args.batch > engine.scheduler.max_num_seqs:
+            sys.exit(f"decode_breakdown: --batch {args.batch} needs a captured decode graph (sizes "
+                     f"{sorted(runner.graphs or [])}) and --max-num-seqs >= it")
         rng = random.Random(args.seed)
         for _ in range(args.batch):
             engine.add_request(random_prompt(rng, args.prompt_len, engine.config.vocab_size),

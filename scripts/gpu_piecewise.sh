@@ -11,7 +11,8 @@
 #   serve     python -m engine bench serve --launch, Qwen3-8B, 64 concurrent, 512 in / 128 out, 256 requests
 #   budgets   the same at each prefill budget per step (--max-num-batched-tokens) of $BUDGETS
 #   besides   the same at each cap on prompt tokens beside decodes (--prefill-tokens-beside-decodes) of $BESIDES
-#   throughput python -m engine bench throughput, Qwen3-8B (nano-vllm's shape), the default, then uncapped (0)
+#   throughput python -m engine bench throughput, Qwen3-8B (nano-vllm's shape): the default (offline work runs
+#             uncapped), then with serve's cap of 384 prompt tokens beside decodes
 #   gate11    python -m gates run --only 11
 #   summary   one line per figure
 source "$(dirname "$0")/gpu_common.sh"  # strict mode, $OUT, PYTHONPATH, fits, logged
@@ -69,13 +70,13 @@ besides() {  # serve at each cap on prompt tokens beside decodes of $BESIDES (de
     done
 }
 
-throughput() {  # the default, then with no cap on prompt tokens beside decodes (its A/B peer)
+throughput() {  # the offline default (no cap on prompt tokens beside decodes), then serve's cap
     fits 170 throughput || return
     logged throughput 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights \
         --output "$OUT/throughput_qwen3_8b.json"
-    fits 170 "throughput beside 0" || return
-    logged throughput_beside_0 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights \
-        --prefill-tokens-beside-decodes 0 --output "$OUT/throughput_qwen3_8b_beside_0.json"
+    fits 170 "throughput beside 384" || return
+    logged throughput_beside_384 160 python3 -m engine bench throughput --preset qwen3-8b --random-weights \
+        --prefill-tokens-beside-decodes 384 --output "$OUT/throughput_qwen3_8b_beside_384.json"
 }
 
 gate11() {

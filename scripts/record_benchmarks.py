@@ -141,13 +141,13 @@ def _throughput(report: dict) -> dict:
         raise ValueError(f"throughput names are for nano-vllm's shape {NANO_VLLM_SHAPE}; this run is {shape}")
     model, steps = _variant(report)
     peer = report.get("compare_hf", {}).get("ratios", {})
-    name = f"{model}_throughput{_kv(report)}{_beside(report)}_out{steps}_tok_s"
+    name = f"{model}_throughput{_beside(report)}{_kv(report)}_out{steps}_tok_s"
     figures = {name: _figure(report["throughput"]["output_tok_s"], "tok/s", "throughput.output_tok_s", peer)}
     monitor = report.get("gpu_monitor", {})
     timed = monitor.get("timed_run", {}).get("devices")  # the timed run alone, without load and warm-up
     devices, source = (timed, "gpu_monitor.timed_run") if timed else (monitor.get("devices"), "gpu_monitor")
     if devices:
-        figures[f"{model}_throughput{_kv(report)}{_beside(report)}_gpu_busy{steps}_pct"] = _figure(
+        figures[f"{model}_throughput{_beside(report)}{_kv(report)}_gpu_busy{steps}_pct"] = _figure(
             devices[0]["util_pct_mean"], "%", f"{source}.devices[0].util_pct_mean (NVML)")
     return figures
 

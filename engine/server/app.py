@@ -404,9 +404,7 @@ def add_serve_command(commands) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.serving = True
-    engine = engine_args.build()
+    engine = dataclasses.replace(EngineArgs.from_cli_args(args), serving=True).build()
     if engine.tp.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 gets them too and sends the stop
             signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", engine.tp.rank))

@@ -137,9 +137,12 @@ class StepChecker:
         assert admitted == queue[:len(admitted)] and list(sched.waiting) == queue[len(admitted):], \
             "admission takes the queue in order, preempted sequences first"
         assert not admitted or not sched.needs_drain, "admitted while a decode waits for a block"
-        cap = sched.prefill_tokens_beside_decodes
-        assert not (num_decode and cap) or sum(batch.num_tokens[num_decode:]) <= cap, \
-            "more prompt tokens beside decodes than prefill_tokens_beside_decodes"
+        cap, prompt_tokens = sched.prefill_tokens_beside_decodes, sum(batch.num_tokens[num_decode:])
+        left = sched.max_num_batched_tokens - batch.total_tokens  # what admission could still have taken
+        if cap and (num_decode or sched.needs_drain):  # decodes run, or wait for a block
+            assert prompt_tokens <= cap, "more prompt tokens beside decodes than prefill_tokens_beside_decodes"
+            left = min(left, cap - prompt_tokens)
+        assert left == 0 or all(batch.samples[num_decode:]), "a prompt cut short with budget left"
         for seq, start, n in zip(seqs, batch.starts, batch.num_tokens):
             rid = seq.request_id
             if seq in admitted:  # (re)admitted: hits are computed; it starts after them
@@ -160,17 +163,14 @@ class StepChecker:
             if seq.status is S.WAITING:  # (else re-admitted at once, largely from its own published blocks)
                 assert seq.block_table == [] and seq.num_computed_tokens == 0
                 self.tables[seq.request_id] = []
-        self.check_head(batch, num_decode)
+        self.check_head(left)
 
-    def check_head(self, batch: ScheduledBatch, num_decode: int):
-        """Admission stopped for a reason: no seat, no token budget left (the step's, or the cap on
-        prompt tokens beside decodes), a decode waiting for a block, or the queue's head's blocks do
-        not fit: a step fills its budget, cutting a prompt where it must."""
+    def check_head(self, left: int):
+        """Admission stopped for a reason: no seat, no token budget ``left`` (the step's, or the cap
+        on prompt tokens beside decodes), a decode waiting for a block, or the queue's head's blocks
+        do not fit: a step fills its budget, cutting a prompt where it must."""
         sched, bm = self.sched, self.bm
-        budget = sched.max_num_batched_tokens - batch.total_tokens
-        if num_decode and sched.prefill_tokens_beside_decodes:
-            budget = min(budget, sched.prefill_tokens_beside_decodes - sum(batch.num_tokens[num_decode:]))
-        if not sched.waiting or len(sched.running) >= sched.max_num_seqs or budget == 0 or sched.needs_drain:
+        if not sched.waiting or len(sched.running) >= sched.max_num_seqs or left == 0 or sched.needs_drain:
             return
         head = sched.waiting[0]
         if sched.admission == "watermark":
@@ -240,14 +240,15 @@ def test_scheduler_properties(admission, overlap, block_size, max_model_len, max
                                                                               max_size=3),
            max_tokens=st.integers(4, 12), ignore_eos=st.just(True), stop_token_ids=st.just([]),
            arrival=st.integers(0, 2), abort_at=st.one_of(st.none(), st.integers(0, 30)))), min_size=3, max_size=6),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), beside=st.sampled_from([0, 1, 2, 5]))
 def test_preemption_properties(overlap, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, requests,
-                               seed):
+                               seed, beside):
     """The same checks under memory pressure: long-running requests over a pool about one
     request's worst case, so watermark admission preempts (and recomputes) often; with a step
-    in flight a decode that finds no block waits for the engine to drain it first."""
+    in flight a decode that finds no block waits for the engine to drain it first (the cap on
+    prompt tokens beside decodes holds in that step too)."""
     sched, checker = run_workload("watermark", overlap, block_size, max_model_len, max_num_seqs, budget_slack,
-                                  pool_slack, requests, seed)
+                                  pool_slack, requests, seed, beside)
     event(f"preemptions: {min(sched.num_preemptions, 3)}{'+' if sched.num_preemptions >= 3 else ''}")
     event(f"drains: {checker.num_drains > 0}")
 
@@ -640,6 +641,29 @@ def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_take
                      [("first", 14, 1), ("second", 5, 1), ("third", 1, 3)]]
     with pytest.raises(ValueError, match="prefill_tokens_beside_decodes"):
         Scheduler(BlockManager(4, 2), 1, 4, 8, eos_token_id=EOS, prefill_tokens_beside_decodes=-1)
+
+
+def test_a_step_whose_decode_waits_for_a_block_caps_its_prompt_tokens_too():
+    """With a step in flight, a decode that finds no free block waits (``needs_drain``) and the
+    step goes on with the running prompt's chunk: that chunk is capped as if the decode ran (the
+    decode waits for the step all the same)."""
+    bm = BlockManager(13, 4)
+    sched = Scheduler(bm, 4, 16, 64, eos_token_id=EOS, prefill_tokens_beside_decodes=2)
+    sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=14, ignore_eos=True), request_id="a"))
+    in_flight, drained = None, []
+    for step in range(14):
+        if in_flight is not None and sched.needs_drain:
+            sched.postprocess(in_flight, [5] * in_flight.num_logits_rows)
+            in_flight = None
+        batch = sched.schedule()
+        if sched.needs_drain:
+            drained.append(entries(batch))
+        if step == 0:
+            sched.add(Sequence(list(range(10, 50)), SamplingParams(max_tokens=1, ignore_eos=True), request_id="b"))
+        if in_flight is not None:
+            sched.postprocess(in_flight, [5] * in_flight.num_logits_rows)
+        in_flight = batch if batch.seqs else None
+    assert drained and all(sum(n for _, _, n in step) <= 2 for step in drained), drained
 
 
 def test_abort_and_failure_mid_prefill_and_while_preempted():

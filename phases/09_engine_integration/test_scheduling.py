@@ -129,7 +129,7 @@ def test_prompt_tokens_beside_decodes_from_the_command_line(cases):
     serving = EngineArgs.from_cli_args(parser.parse_args(flags))
     serving.serving = True
     assert serving.create_engine_config().scheduler.prefill_tokens_beside_decodes == 0
-    assert [_prefill_tokens_beside_decodes(None, torch.device("cuda"), serving) for serving in (True, False)] == \
+    assert [_prefill_tokens_beside_decodes(None, torch.device("cuda"), flag) for flag in (True, False)] == \
         [DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, 0]
     with pytest.raises(ValueError, match="prefill_tokens_beside_decodes must be >= 0"):
         EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "-1"])) \

@@ -135,9 +135,9 @@ def test_gpu_busy_is_read_from_the_timed_run_when_the_report_has_it():
     timed = record_benchmarks.figures_of(report)["qwen3_8b_throughput_gpu_busy_pct"]
     assert (whole["value"], timed["value"]) == (60.0, 95.0)
     assert timed["from"].startswith("gpu_monitor.timed_run")
-    uncapped = {**report, "settings": {**settings, "prefill_tokens_beside_decodes": 0}}  # an A/B run: its own names
-    assert sorted(record_benchmarks.figures_of(uncapped)) == ["qwen3_8b_throughput_beside0_gpu_busy_pct",
-                                                              "qwen3_8b_throughput_beside0_out_tok_s"]
+    capped = {**report, "settings": {**settings, "prefill_tokens_beside_decodes": 384, "kv_cache_dtype": "fp8"}}
+    assert sorted(record_benchmarks.figures_of(capped)) == [  # an A/B run has its own names, in serve's order
+        "qwen3_8b_throughput_beside384_fp8kv_gpu_busy_pct", "qwen3_8b_throughput_beside384_fp8kv_out_tok_s"]
 
 
 def test_a_throughput_run_off_nano_vllms_shape_has_no_headline_name():
