@@ -154,6 +154,8 @@ class LLMEngine:
             steps += (f", piecewise graphs for prefill steps up to {max(r.prefill_graphs.sizes)} tokens "
                       f"({len(r.prefill_graphs.sizes)} sizes, captured in {r.prefill_graphs.capture_seconds:.1f} s)")
         steps += ", overlapped steps" if c.scheduler.overlap else ", synchronous steps"
+        if c.scheduler.prefill_tokens_beside_decodes:
+            steps += f", at most {c.scheduler.prefill_tokens_beside_decodes} prompt tokens beside decodes"
         spec = c.speculative
         if spec.method is not None:
             steps += (f", n-gram speculation (k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}.."

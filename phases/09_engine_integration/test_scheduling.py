@@ -135,6 +135,7 @@ def test_prompt_tokens_beside_decodes_from_the_command_line(cases):
         EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "-1"])) \
             .create_engine_config()
     engine = EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "5"])).build()
+    assert "at most 5 prompt tokens beside decodes" in engine.summary()  # the start line says so
     steps = []  # (decodes, prompt tokens) of every step launched
     real_launch = engine.runner.launch
 
