@@ -6,6 +6,9 @@
 #                               a line saying section NAME is skipped
 #   logged NAME SECONDS CMD...  CMD under a timeout, its output in $OUT/NAME.log, "NAME rc=N"
 #                               appended to $OUT/sections.log
+# At exit every file of $OUT is also packed into $OUT/00-bundle.tgz, which sorts first: the device
+# tool returns only the first 8 files of a call (by name), and two reports were lost that way.
+# Unpack it where the files came back: tar xzf 00-bundle.tgz
 set -uo pipefail
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -26,3 +29,8 @@ logged() {
     timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$?" >> "$OUT/sections.log"
 }
+
+bundle() {
+    tar czf "$OUT/00-bundle.tgz" -C "$OUT" --exclude 00-bundle.tgz . 2> /dev/null || true
+}
+trap bundle EXIT
