@@ -46,27 +46,30 @@ ttft() {
         --prompt-lens 128,4096 --decode-tokens 256 --output "$OUT/latency_qwen3_8b.json"
 }
 
+serve_run() {  # NAME SECONDS [FLAGS...]: bench serve --launch, Qwen3-8B load; report $OUT/serve_qwen3_8b_c64NAME.json
+    local name=$1 seconds=$2
+    shift 2
+    logged "serve$name" "$seconds" python3 -m engine bench serve --launch --preset qwen3-8b --random-weights \
+        --max-concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 "$@" \
+        --output "$OUT/serve_qwen3_8b_c64$name.json"
+}
+
 serve() {
     fits 200 serve || return
-    logged serve 190 python3 -m engine bench serve --launch --preset qwen3-8b --random-weights --max-concurrency 64 \
-        --num-prompts 256 --input-len 512 --output-len 128 --output "$OUT/serve_qwen3_8b_c64.json"
+    serve_run "" 190
 }
 
 budgets() {  # serve at each prefill budget per step of $BUDGETS (default 512 1024 2048)
     for tokens in ${BUDGETS:-512 1024 2048}; do
         fits 60 "serve $tokens" || return
-        logged "serve_$tokens" 120 python3 -m engine bench serve --launch --preset qwen3-8b --random-weights \
-            --max-concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 --max-num-batched-tokens "$tokens" \
-            --output "$OUT/serve_qwen3_8b_c64_budget_$tokens.json"
+        serve_run "_budget_$tokens" 120 --max-num-batched-tokens "$tokens"
     done
 }
 
 besides() {  # serve at each cap on prompt tokens beside decodes of $BESIDES (default 256 512 0)
     for tokens in ${BESIDES:-256 512 0}; do
         fits 60 "serve beside $tokens" || return
-        logged "serve_beside_$tokens" 120 python3 -m engine bench serve --launch --preset qwen3-8b --random-weights \
-            --max-concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
-            --prefill-tokens-beside-decodes "$tokens" --output "$OUT/serve_qwen3_8b_c64_beside_$tokens.json"
+        serve_run "_beside_$tokens" 120 --prefill-tokens-beside-decodes "$tokens"
     done
 }
 
