@@ -18,6 +18,7 @@ varlen_attn.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -175,20 +176,27 @@ def bench_decode(results, copy):
 
 def bench_decode_fp8(results, copy):
     """Decode attention at the offline throughput's shape (Qwen3-8B, 256 sequences, 512 tokens of
-    context, block size 16) over a bf16 and an e4m3 cache, with each key tile (``block_n``,
-    ``num_stages``) to try: an e4m3 tile holds half a bf16 tile's bytes."""
+    context, block size 16) over a bf16 and an e4m3 cache: the default launch and every key tile
+    (``block_n``, ``num_stages``), over e4m3 with dots in fp16 and in bf16 (``fp16_dots``), as graph
+    replays; the reference once per cache."""
     hq, hk, d, batch, ctx = QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"], 256, 512
     q = rand(batch, hq, d)
     k_cache, v_cache, tables, lens = paged_inputs(batch, ctx, 16, hk, d, d)
     for label, cache_dtype in (("bf16", DTYPE), ("e4m3", torch.float8_e4m3fn)):
         k, v = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        args = (q, k, v, tables, lens, d ** -0.5)
         nbytes = 2 * batch * ctx * hk * d * k.element_size()
-        for block_n, num_stages in ((64, 2), (128, 2), (64, 3), (128, 3), (128, 4), (256, 2)):
-            args = (q, k, v, tables, lens, d ** -0.5)
-            row(results, f"paged_decode {label} cache", "qwen3-8b",
-                f"B={batch} ctx={ctx} tile={block_n}x{num_stages}",
-                lambda: ours.paged_decode_attention(*args, block_n=block_n, num_stages=num_stages),
-                lambda: reference.paged_decode_attention(*args), nbytes, copy=copy)
+        reference_us = median_ms(lambda: reference.paged_decode_attention(*args)) * 1e3
+        tiles = ((None, None), (64, 2), (128, 2), (64, 3), (128, 3), (128, 4), (256, 2), (32, 4))
+        for (block_n, stages), f16 in itertools.product(tiles, (None, True, False) if label == "e4m3" else (None,)):
+            knobs = dict(block_n=block_n, num_stages=stages, fp16_dots=f16)
+            ms = graph_ms(lambda: ours.paged_decode_attention(*args, **knobs))
+            tile = "default" if block_n is None else f"{block_n}x{stages}"
+            dots = {None: "", True: " f16 dots", False: " bf16 dots"}[f16]
+            results.append(dict(op=f"paged_decode {label} cache", model="qwen3-8b",
+                                shape=f"B={batch} ctx={ctx} tile={tile}{dots}", ours_us=ms * 1e3, timing="graph",
+                                torch_eager_us=reference_us, gbps=nbytes / ms / 1e6,
+                                pct_copy=100 * nbytes / ms / 1e6 / copy, **knobs))
 
 
 def bench_gemv(results, copy):
@@ -265,15 +273,15 @@ def main() -> None:
         opts.json.write_text(json.dumps(report, indent=1))
     print(f"{report['device']}  torch {torch.__version__}  device-to-device copy {copy:.0f} GB/s")
     print("ours us: CUDA-graph replay (eager for varlen prefill); %copy from it; eager: Python launches")
-    print(f"{'op':22} {'model':9} {'shape':34} {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'TFLOP/s':>7} "
+    print(f"{'op':22} {'model':9} {'shape':44} {'ours us':>8} {'GB/s':>6} {'%copy':>6} {'TFLOP/s':>7} "
           f"{'eager us':>8} {'torch us':>9}  extra")
     for r in results:
         extra = {k: v if isinstance(v, list) else round(v, 1) for k, v in r.items()
                  if k in ("sdpa_contiguous_us", "torch_varlen_tflops", "triton_kernel_tflops", "cublas_us",
                           "cublas_gbps", "best_config")}
-        print(f"{r['op']:22} {r['model']:9} {r['shape']:34} {r['ours_us']:8.1f} {r.get('gbps', float('nan')):6.0f} "
+        print(f"{r['op']:22} {r['model']:9} {r['shape']:44} {r['ours_us']:8.1f} {r.get('gbps', float('nan')):6.0f} "
               f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):7.1f} "
-              f"{r['ours_eager_us']:8.1f} {r['torch_eager_us']:9.1f}  {extra or ''}")
+              f"{r.get('ours_eager_us', float('nan')):8.1f} {r['torch_eager_us']:9.1f}  {extra or ''}")
     print(json.dumps({"copy_gbps": round(copy), "n_results": len(results)}))
 
 

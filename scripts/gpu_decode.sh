@@ -10,6 +10,8 @@
 #   kernels  scripts/bench_fp8.py gemm at M = 1, 4, 8 (ROWS) (Qwen3-8B linears: bf16 cuBLAS, the FP8 decode
 #            plan's choice among the GEMM's split-K shapes and the FP8 GEMV, TB/s of weight bytes);
 #            scripts/bench_kernels.py --only gemv (the bf16 GEMV's best config against cuBLAS; GEMV_BENCH=0: not)
+#   attention scripts/bench_kernels.py --only decode_fp8: decode attention at the offline throughput's 256
+#            sequences over bf16 and e4m3 caches: the default launch and other key tiles, fp16 or bf16 dots
 #   fp8      Qwen3-8B random, online FP8: B=1 decode with graphs, TTFT of 4,096 tokens
 #   bf16     Qwen3-8B random, bf16: the same, with cuBLAS linears (the default)
 #   bf16gemv the same with AGENT_INFER_DECODE_GEMV=1 (the bf16 GEMV planned per shape against cuBLAS)
@@ -48,6 +50,11 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
         timeout 110 python3 scripts/bench_kernels.py --only gemv --json "$OUT/gemv.json" > "$OUT/gemv.txt" \
             2>> "$OUT/kernels.log"
         echo "bf16 gemv rc=$? at $SECONDS s" ;;
+    attention)
+        fits 200 attention || continue
+        timeout 190 python3 scripts/bench_kernels.py --only decode_fp8 --json "$OUT/decode_attention.json" \
+            > "$OUT/decode_attention.txt" 2> "$OUT/attention.log"
+        echo "decode attention rc=$? at $SECONDS s" ;;
     fp8)
         fits 200 fp8 || continue
         latency qwen3_8b_fp8 --quantization fp8 ;;
@@ -110,6 +117,12 @@ if gemm:
         print(f"{r['n']:>6} x {r['k']:<6} {r['m']:>4} {r['bf16_us']:8.1f} {r['fp8_triton_us']:8.1f} "
               f"{r.get('fp8_scaled_mm_us') or float('nan'):9.1f} "
               f"{r.get('fp8_triton_tb_s', float('nan')):8.2f}  {r.get('fp8_triton_config')}")
+attention = load("decode_attention.json")
+if attention:
+    for label in ("bf16", "e4m3"):
+        rows = sorted((r for r in attention["results"] if label in r["op"]), key=lambda r: r["ours_us"])
+        for r in rows[:3] + [r for r in rows if "tile=default" in r["shape"]]:
+            print(f"{r['op']:24} {r['shape']:44} {r['ours_us']:7.1f} us {r['gbps']:6.0f} GB/s")
 gemv = load("gemv.json")
 if gemv:
     for r in gemv["results"]:
@@ -140,7 +153,7 @@ PY
         cp benchmarks.json "$OUT/benchmarks.json"
         [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
             > /dev/null 2>> "$OUT/latency.log" ;;
-    *) echo "unknown section $section (tests, kernels, fp8, bf16, bf16gemv, throughput, fp8throughput, agreement, v2lite,"
+    *) echo "unknown section $section (tests, kernels, attention, fp8, bf16, bf16gemv, throughput, fp8throughput, agreement, v2lite,"
        echo "qwen3moe, floors, summary)"
        exit 2 ;;
     esac

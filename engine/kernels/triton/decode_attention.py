@@ -1,7 +1,8 @@
 """Paged decode attention: split-K flash-decoding, in one launch or two.
 
-Program (sequence, KV head x query-head block, split) scores a slice of the
-context against every query head of that KV head at once (the head group is
+Program (KV head x query-head block, sequence, split) scores a slice of the
+context against every query head of that KV head at once (a sequence's KV heads are
+neighbours in the grid: 1.7 % faster over a bf16 cache on the H200) (the head group is
 padded to >= 16 rows for tl.dot). With one split (batches whose programs fill
 the GPU) it writes the output itself: one launch. With several it writes a
 normalised partial output and its log-sum-exp, and the splits are merged
@@ -51,12 +52,14 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
                          HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
-                         RESULT: tl.constexpr, BLOCK_S: tl.constexpr, SEPARATE_ROPE: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1) // head_blocks
+                         RESULT: tl.constexpr, BLOCK_S: tl.constexpr, SEPARATE_ROPE: tl.constexpr,
+                         DOT_F16: tl.constexpr):
+    head_prog = tl.program_id(0)  # grid (head programs, batch, splits): a sequence's KV heads side by side
+    seq = tl.program_id(1).to(tl.int64)
+    kv_head = head_prog // head_blocks
     num_splits = tl.num_programs(2)
     split = tl.program_id(2)
-    g = (tl.program_id(1) % head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g = (head_prog % head_blocks) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < group
     heads = kv_head * group + g
     if SEPARATE_ROPE:  # q holds the main block's channels, qr the tail's (MLA: latent | rope, never concatenated)
@@ -64,6 +67,9 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
         q_tail, _ = load_q(qr_ptr, seq * qr_stride0 + heads * qr_stride1, g_mask, HEAD_DIM - BLOCK_D, BLOCK_TAIL, 0)
     else:
         q_main, q_tail = load_q(q_ptr, seq * q_stride0 + heads * q_stride1, g_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+    if DOT_F16:  # dots in fp16, to which e4m3 keys and values upcast exactly; q saturates at fp16's range
+        q_main = tl.clamp(q_main.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_tail = tl.clamp(q_tail.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     context = tl.load(lens_ptr + seq)
     split_tokens = _split_tokens(context, num_splits, BLOCK_N)
@@ -100,8 +106,8 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
         tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part,
                  mask=active[:, None] & (dv < V_DIM)[None, :])
         if RESULT == MERGE_IN_LAST:
-            if arrive_last(counters_ptr + seq * tl.num_programs(1) + tl.program_id(1), num_splits):
-                first = kv_head * group + (tl.program_id(1) % head_blocks) * BLOCK_G
+            if arrive_last(counters_ptr + seq * tl.num_programs(0) + head_prog, num_splits):
+                first = kv_head * group + (head_prog % head_blocks) * BLOCK_G
                 for head in range(first, first + tl.minimum(BLOCK_G, kv_head * group + group - first)):
                     _merge_splits(part_out_ptr, part_lse_ptr, seq, head, num_heads, context, num_splits,
                                   out_ptr + seq * out_stride0 + head * out_stride1, V_DIM, BLOCK_DV, BLOCK_S, BLOCK_N)
@@ -154,15 +160,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, softmax_scale: float,
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
                            num_splits: int | None = None, fused_merge: bool | None = None,
-                           block_n: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                           block_n: int | None = None, num_stages: int | None = None,
+                           fp16_dots: bool | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
     SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
     (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
-    of a second launch. One split never needs a merge. ``block_n`` (None = 64 tokens, 32 for
-    MLA's wide heads; a power of two >= 16) is the key tile a loop step loads and ``num_stages``
-    how many tiles the compiler keeps in flight (``scripts/bench_kernels.py --only decode_fp8``
-    times them on an e4m3 cache, whose tile holds half a bf16 tile's bytes). ``q_rope`` is read
-    in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
+    of a second launch. One split never needs a merge. ``block_n`` (a power of two >= 16) is the
+    key tile a loop step loads and ``num_stages`` how many tiles the compiler keeps in flight;
+    ``fp16_dots`` runs both dots in fp16, to which e4m3 upcasts in one instruction and exactly
+    (bf16 takes several), the query saturated at fp16's +-65504 and rounded to 11 significant bits
+    (bf16 keeps 8). None picks what the H200 measured fastest at the offline throughput's 256
+    sequences (``scripts/bench_kernels.py --only decode_fp8``, 512 tokens of context): a bf16 cache
+    64 x 2 (141.5 us, 3.8 TB/s); an e4m3 cache under a bf16 query 128 x 3 with fp16 dots (131.6 us,
+    2.0 TB/s, against 156.3 with the bf16 cache's launch); MLA's wide heads 32 x 2. ``q_rope`` is
+    read in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
     concatenated first."""
     head_dim = k_cache.shape[3]
     block_d, block_tail = head_dim_blocks(head_dim)
@@ -178,9 +189,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_dv = max(16, next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
     block_g = min(max(16, next_power_of_2(group)), 16 if wide else 64)
+    e4m3 = k_cache.dtype == torch.float8_e4m3fn
+    if fp16_dots is None:
+        fp16_dots = e4m3 and q.dtype == torch.bfloat16
+    elif fp16_dots and not e4m3:
+        raise ValueError("paged_decode_attention: fp16_dots needs an e4m3 cache (a bf16 one can overflow fp16)")
     if block_n is None:
-        block_n = 32 if wide else 64
-    elif block_n < 16 or block_n & (block_n - 1):
+        block_n = 32 if wide else 128 if e4m3 else 64
+    if num_stages is None:
+        num_stages = 3 if e4m3 and not wide else 2
+    if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode_attention: block_n must be a power of two >= 16, got {block_n}")
     head_blocks = cdiv(group, block_g)
     capacity = block_tables.shape[1] * page
@@ -198,14 +216,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST.value else context_lens
     block_s = max(1, min(next_power_of_2(num_splits), 4096 // block_dv))
     rope = q if q_rope is None else q_rope
-    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
+    _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
         q, rope, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters,
         softmax_scale * _LOG2E, num_heads, group, head_blocks, q.stride(0), q.stride(1), rope.stride(0), rope.stride(1),
         *k_cache.stride()[:3],
         *values.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
-        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None, num_warps=4, num_stages=num_stages)
+        RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None,
+        DOT_F16=fp16_dots, num_warps=4, num_stages=num_stages)
     if result == WRITE_PARTS.value:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
