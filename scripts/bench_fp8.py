@@ -1,7 +1,7 @@
 """FP8 on the GPU: the GEMMs against bf16 cuBLAS, and FP8 against bf16 on the same random weights.
 
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
-    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8] [--json out.json]
+    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8 32 256] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
 ``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
@@ -15,9 +15,11 @@ candidate's time (``fp8_candidates_us``) and the unsplit GEMM's (``fp8_unsplit_u
 ``gemv``: each decoder linear shape at a decode row count, timed as a decode step meets it: a CUDA
 graph of one call per copy of the weight, enough copies to pass 400 MB (every call reads its
 weight from HBM, none from L2; a single weight timed alone would be one launch's latency, and
-repeated it would sit in the 50 MB L2): bf16 cuBLAS and every FP8 decode launch shape (the GEMM's
-split-K, the FMA GEMV's, the MMA GEMV's), microseconds per call and TB/s of weight bytes, beside
-the launch ``decode_plan`` chose at load (timed there on one weight, repeated).
+repeated it would sit in the 50 MB L2): bf16 cuBLAS and every FP8 launch the plan times (up to 16
+rows ``decode_plan``'s: the GEMM's split-K, the FMA GEMV's, the MMA GEMV's; 17-256 rows
+``batch_plan``'s: the MMA GEMV's row tiles, the unsplit GEMM, ``scaled_mm``), microseconds per call
+and TB/s of weight bytes, beside the launch the plan chose at load (timed there on one weight,
+repeated).
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -44,7 +46,8 @@ from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
 from engine.kernels.triton import fp8 as triton_fp8  # noqa: E402
-from engine.kernels.triton.fp8 import _block_sizes, _decode_runs, decode_plan  # noqa: E402
+from engine.kernels.triton import fp8_mma_gemv  # noqa: E402
+from engine.kernels.triton.fp8 import _batch_runs, _block_sizes, _decode_runs, batch_plan, decode_plan  # noqa: E402
 from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
 
 UNSPLIT = _block_sizes(1)  # the FP8 GEMM's launch shape before the decode split-K
@@ -91,6 +94,11 @@ def step_like_us(calls) -> float:
     return elapsed_ms(lambda: [call() for call in calls], 10, torch.device("cuda")) * 1000 / len(calls)
 
 
+def name_of(config) -> str:
+    """A launch choice as text: the config's class and fields, or ``scaled_mm``."""
+    return config if isinstance(config, str) else f"{type(config).__name__}{tuple(config)}"
+
+
 def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
     rows = []
     layer, _ = dense_linear_shapes(preset)
@@ -102,13 +110,16 @@ def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "m": m, "copies": copies,
                    "bf16_us": step_like_us([lambda w=w: F.linear(x, w) for w in weights])}
-            chosen = decode_plan(x, *quantized[0], None)
-            row["plan"] = f"{type(chosen).__name__}{tuple(chosen)}"
+            if m <= MAX_ROWS:
+                chosen, runs = decode_plan(x, *quantized[0], None), _decode_runs(x, *quantized[0], None)
+            else:
+                chosen, runs = batch_plan(x, *quantized[0], None, True), _batch_runs(x, *quantized[0], None, True)
+            row["plan"] = name_of(chosen)
             times = {}
-            for config in _decode_runs(x, *quantized[0], None):
+            for config in runs:
                 calls = [lambda q=q, s=s, config=config: triton_fp8.fp8_linear(x, q, s, config=config)
                          for q, s in quantized]
-                times[f"{type(config).__name__}{tuple(config)}"] = step_like_us(calls)
+                times[name_of(config)] = step_like_us(calls)
             best = min(times, key=times.get)
             row.update(fp8_plan_us=times[row["plan"]], fp8_best=best, fp8_best_us=times[best], fp8_us=times)
             row.update(bf16_tb_s=2 * n * k / row["bf16_us"] / 1e6, fp8_best_tb_s=n * k / times[best] / 1e6,
@@ -162,7 +173,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 256, 4096],
-                        help="gemm, gemv: the row counts (M) to time (gemv: the decode launches', at most 16)")
+                        help="gemm, gemv: the row counts (M) to time (gemv: at most 256)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -170,7 +181,7 @@ def main() -> int:
     if args.what == "gemm":
         report["gemm"] = bench_gemm(preset, args.rows)
     elif args.what == "gemv":
-        report["gemv"] = bench_gemv(preset, [m for m in args.rows if m <= MAX_ROWS])
+        report["gemv"] = bench_gemv(preset, [m for m in args.rows if m <= fp8_mma_gemv.MAX_ROWS])
     else:
         report["agreement"] = bench_agreement(preset, args.prompts, args.prompt_len, args.tokens)
     text = json.dumps(report, indent=1)

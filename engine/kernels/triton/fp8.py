@@ -23,14 +23,15 @@ its expert in place; beyond, assignments are grouped by expert on the device int
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
 come from host shapes only: no host sync, CUDA-graph safe.
 
-Beyond the decode launches (more than ``gemv.MAX_ROWS`` rows) on sm90 with 128 x 128 weight blocks
-everything goes through ``torch.nn.functional.scaled_mm`` (cuBLAS block-wise scaling, FP8 wgmma)
-after ``quantize_per_token_group``: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B linears) it
-took 0.65-0.77 of bf16 cuBLAS's time at 4,096 rows where the Triton GEMM took 1.3, 0.8-1.1 at 65-256
-rows where Triton took 1.2-1.9, and 1.2-1.9 at 32-64 rows where Triton's one tile per 64 rows took
-5-20 times bf16's (a batch of 17-64 decoding sequences); at 4-8 rows it was no faster than the decode
-launches and it refuses one row. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton GEMM at every row count,
-``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
+Batches of 17-256 rows (``batch_plan``): the MMA GEMV's row tiles (``fp8_mma_gemv.BATCH_CANDIDATES``,
+activations quantized first) and, on sm90 with 128 x 128 weight blocks, ``torch.nn.functional.scaled_mm``
+(cuBLAS block-wise scaling, FP8 wgmma) are timed once per shape and row count, the fastest kept. cuBLAS
+tiles the output 128 x 128 without splitting K: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B
+linears) it took 0.8-1.2 of bf16 cuBLAS's time at 32-256 rows, where the Triton GEMM's one tile per 64
+rows took 1.2-20 times bf16's. Beyond 256 rows on sm90 everything goes through ``scaled_mm`` after
+``quantize_per_token_group`` (0.65-0.77 of bf16's time at 4,096 rows, where the Triton GEMM took 1.3);
+elsewhere the Triton GEMM. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton kernels at every row
+count, ``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
 from engine.kernels.triton.semaphores import zeroed_counters
 
-GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: scaled_mm for prefill on sm90; "triton" or "scaled_mm" forces one
+GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: measured up to 256 rows, scaled_mm beyond on sm90; "triton" or
+                                    # "scaled_mm" forces one
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
+SCALED_MM = "scaled_mm"             # a plan's choice: cuBLAS block-wise scaling (_scaled_mm_linear)
 
 
 @triton.jit
@@ -169,10 +172,49 @@ def decode_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def _decode_runs(a, weight, weight_scale, bias) -> dict:
     """Every decode candidate that fits ``a``'s rows -> a call running ``fp8_linear`` with it."""
     gemvs = [config for config in fp8_gemv.CANDIDATES if fp8_gemv.fits(config, a.shape[0])]
-    if fp8_mma_gemv.fits(a.shape[0]):
-        gemvs += fp8_mma_gemv.CANDIDATES
     return {config: lambda config=config: fp8_linear(a, weight, weight_scale, bias, config)
-            for config in DECODE_CANDIDATES + gemvs}
+            for config in DECODE_CANDIDATES + gemvs + fp8_mma_gemv.CANDIDATES}
+
+
+_BATCH_PLANS: dict[tuple, DecodeConfig | str] = {}
+
+
+def batch_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               cublas: bool) -> DecodeConfig | str:
+    """The launch for ``a [gemv.MAX_ROWS < M <= fp8_mma_gemv.MAX_ROWS, K]`` on CUDA: the fastest of
+    ``fp8_mma_gemv.BATCH_CANDIDATES``, the unsplit GEMM and, when ``cublas``, ``SCALED_MM``, timed
+    once per shape and row count (``gemv.fastest``; inside a capture an unmeasured shape keeps
+    ``SCALED_MM`` when ``cublas``, else the unsplit GEMM)."""
+    key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None, cublas)
+    return fastest(_BATCH_PLANS, key, SCALED_MM if cublas else _block_sizes(a.shape[0]),
+                   lambda: _batch_runs(a, weight, weight_scale, bias, cublas))
+
+
+def _batch_runs(a, weight, weight_scale, bias, cublas: bool) -> dict:
+    """``batch_plan``'s candidates for ``a``'s rows -> a call running ``fp8_linear`` with each."""
+    choices = fp8_mma_gemv.BATCH_CANDIDATES + [_block_sizes(a.shape[0])] + ([SCALED_MM] if cublas else [])
+    return {choice: lambda choice=choice: fp8_linear(a, weight, weight_scale, bias, choice) for choice in choices}
+
+
+def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+         bias: torch.Tensor | None) -> DecodeConfig | str:
+    """The launch ``fp8_linear`` runs for ``a [M, K]`` (see the module's docstring): ``GEMM_ENV``'s
+    choice when set; up to ``gemv.MAX_ROWS`` rows ``decode_plan``; up to ``fp8_mma_gemv.MAX_ROWS`` on
+    CUDA ``batch_plan``; beyond, ``SCALED_MM`` on sm90 where it takes the shape, else the GEMM."""
+    choice = os.environ.get(GEMM_ENV)
+    if choice not in (None, "triton", "scaled_mm"):
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: measured up to 256 rows, "
+                         "scaled_mm beyond on sm90)")
+    rows = a.shape[0]
+    cublas = choice != "triton" and _scaled_mm_takes(a, weight, weight_scale)
+    if cublas and choice == "scaled_mm":
+        return SCALED_MM
+    cublas = cublas and torch.cuda.get_device_capability(a.device) == (9, 0)
+    if rows <= MAX_ROWS:
+        return decode_plan(a, weight, weight_scale, bias)
+    if rows <= fp8_mma_gemv.MAX_ROWS and a.device.type == "cuda":
+        return batch_plan(a, weight, weight_scale, bias, cublas)
+    return SCALED_MM if cublas else _block_sizes(rows)
 
 
 def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile_expert=None, experts_per_row=1):
@@ -198,24 +240,23 @@ def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None,
-               config: DecodeConfig | None = None) -> torch.Tensor:
-    """See ``engine.kernels.fp8.fp8_linear``. ``config`` (None: ``decode_plan`` up to
-    ``gemv.MAX_ROWS`` rows, ``_block_sizes`` beyond) forces one launch: a GEMV (``fp8_gemv``,
-    ``fp8_mma_gemv``) for their configs, else the GEMM."""
+               config: DecodeConfig | str | None = None) -> torch.Tensor:
+    """See ``engine.kernels.fp8.fp8_linear``. ``config`` (None: ``plan``) forces one launch: a GEMV
+    (``fp8_gemv``, ``fp8_mma_gemv``) for their configs, cuBLAS for ``SCALED_MM``, else the GEMM."""
     a = x.reshape(-1, x.shape[-1])
     m, n = a.shape[0], weight.shape[0]
-    if _takes_scaled_mm(a, weight, weight_scale):
+    config = config or plan(a, weight, weight_scale, bias)
+    if config == SCALED_MM:
         return _scaled_mm_linear(a, weight, weight_scale, bias).view(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     a_scale = None
-    if m > FUSED_QUANT_MAX_ROWS:
+    mma = isinstance(config, fp8_mma_gemv.Fp8MmaGemvConfig)
+    if m > (fp8_mma_gemv.QUANTIZE_MAX_ROWS if mma else FUSED_QUANT_MAX_ROWS):
         a, a_scale = quantize_per_token_group(a)
-    if config is None:
-        config = decode_plan(a, weight, weight_scale, bias) if m <= MAX_ROWS else _block_sizes(m)
     if isinstance(config, fp8_gemv.Fp8GemvConfig):
         fp8_gemv.launch(a, weight, weight_scale, bias, out, config)
-    elif isinstance(config, fp8_mma_gemv.Fp8MmaGemvConfig):
-        fp8_mma_gemv.launch(a, weight, weight_scale, bias, out, config)
+    elif mma:
+        fp8_mma_gemv.launch(a, a_scale, weight, weight_scale, bias, out, config)
     else:
         _launch(a, a_scale, weight, weight_scale, bias, out, m, triton.cdiv(m, config.block_m), config)
     return out.view(*x.shape[:-1], n)
@@ -265,19 +306,12 @@ def fp8_expert_linear(x: torch.Tensor, weights: torch.Tensor, weight_scales: tor
     return out.view(tokens, per_token, n)
 
 
-def _takes_scaled_mm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether ``fp8_linear`` runs cuBLAS block-wise scaling (1 x 128 activations, 128 x 128 weights:
-    K and N whole blocks) for ``a [M, K]``: forced or refused by ``GEMM_ENV``, else for
-    more than ``gemv.MAX_ROWS`` rows (the decode launches' limit) on an sm90 GPU (see the module's
-    docstring)."""
-    choice = os.environ.get(GEMM_ENV)
-    if choice not in (None, "triton", "scaled_mm"):
-        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: scaled_mm for prefill on sm90)")
-    wanted = choice == "scaled_mm" or (choice is None and a.shape[0] > MAX_ROWS  # a decode step stops here
-                                       and a.device.type == "cuda"
-                                       and torch.cuda.get_device_capability(a.device) == (9, 0))
+def _scaled_mm_takes(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether cuBLAS block-wise scaling (1 x 128 activations, 128 x 128 weights) can run ``a [M, K]``
+    against this weight: on CUDA, with 128-row weight blocks, K and N whole blocks."""
     n, k = weight.shape
-    return wanted and weight_block_rows(weight, weight_scale) == GROUP and n % GROUP == 0 and k % GROUP == 0
+    return (a.device.type == "cuda" and weight_block_rows(weight, weight_scale) == GROUP and n % GROUP == 0
+            and k % GROUP == 0)
 
 
 def _scaled_mm_linear(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
