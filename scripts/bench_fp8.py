@@ -1,7 +1,7 @@
 """FP8 on the GPU: the GEMMs against bf16 cuBLAS, and FP8 against bf16 on the same random weights.
 
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
-    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8 32 256] [--json out.json]
+    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8 32 128] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
 ``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
@@ -16,8 +16,8 @@ candidate's time (``fp8_candidates_us``) and the unsplit GEMM's (``fp8_unsplit_u
 graph of one call per copy of the weight, enough copies to pass 400 MB (every call reads its
 weight from HBM, none from L2; a single weight timed alone would be one launch's latency, and
 repeated it would sit in the 50 MB L2): bf16 cuBLAS and every FP8 launch the plan times (up to 16
-rows ``decode_plan``'s: the GEMM's split-K, the FMA GEMV's, the MMA GEMV's; 17-256 rows
-``batch_plan``'s: the MMA GEMV's row tiles, the unsplit GEMM, ``scaled_mm``), microseconds per call
+rows ``decode_plan``'s: the GEMM's split-K, the FMA GEMV's, the MMA GEMV's; 17-128 rows
+``batch_plan``'s: the MMA GEMV's, ``scaled_mm``), microseconds per call
 and TB/s of weight bytes, beside the launch the plan chose at load (timed there on one weight,
 repeated).
 
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 256, 4096],
-                        help="gemm, gemv: the row counts (M) to time (gemv: at most 256)")
+                        help="gemm, gemv: the row counts (M) to time (gemv: at most 128)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     preset = PRESETS[args.preset]

@@ -23,15 +23,16 @@ its expert in place; beyond, assignments are grouped by expert on the device int
 expert's weights for its tile; tiles past the last used one return at once. Launch shapes
 come from host shapes only: no host sync, CUDA-graph safe.
 
-Batches of 17-256 rows (``batch_plan``): the MMA GEMV's row tiles (``fp8_mma_gemv.BATCH_CANDIDATES``,
+Batches of 17-128 rows (``batch_plan``): the MMA GEMV over all the rows (``fp8_mma_gemv.BATCH_CANDIDATES``,
 activations quantized first) and, on sm90 with 128 x 128 weight blocks, ``torch.nn.functional.scaled_mm``
-(cuBLAS block-wise scaling, FP8 wgmma) are timed once per shape and row count, the fastest kept. cuBLAS
-tiles the output 128 x 128 without splitting K: on the H200 (``scripts/bench_fp8.py gemm``, Qwen3-8B
-linears) it took 0.8-1.2 of bf16 cuBLAS's time at 32-256 rows, where the Triton GEMM's one tile per 64
-rows took 1.2-20 times bf16's. Beyond 256 rows on sm90 everything goes through ``scaled_mm`` after
-``quantize_per_token_group`` (0.65-0.77 of bf16's time at 4,096 rows, where the Triton GEMM took 1.3);
-elsewhere the Triton GEMM. ``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton kernels at every row
-count, ``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
+(cuBLAS block-wise scaling, FP8 wgmma) are timed once per shape and row count, the fastest kept: on the
+H200 (``scripts/bench_fp8.py gemv``, Qwen3-8B linears, weights from HBM) cuBLAS took 0.7-1.8 of bf16's
+time at 32-64 rows and the MMA GEMV 0.56-1.3, faster than cuBLAS at all 8 (shape, rows) and than bf16
+at 6; the Triton GEMM's one tile per 64 rows took 4-20 times bf16's. Beyond 128 rows on sm90
+everything goes through ``scaled_mm`` after ``quantize_per_token_group`` (0.76-1.3 of bf16's time at
+256 rows, 0.65-0.77 at 4,096, where the Triton GEMM took 1.3); elsewhere the Triton GEMM.
+``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton kernels at every row count, ``scaled_mm`` takes
+cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
 from engine.kernels.triton.semaphores import zeroed_counters
 
-GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: measured up to 256 rows, scaled_mm beyond on sm90; "triton" or
+GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: measured up to 128 rows, scaled_mm beyond on sm90; "triton" or
                                     # "scaled_mm" forces one
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
 SCALED_MM = "scaled_mm"             # a plan's choice: cuBLAS block-wise scaling (_scaled_mm_linear)
@@ -182,7 +183,7 @@ _BATCH_PLANS: dict[tuple, DecodeConfig | str] = {}
 def batch_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                cublas: bool) -> DecodeConfig | str:
     """The launch for ``a [gemv.MAX_ROWS < M <= fp8_mma_gemv.MAX_ROWS, K]`` on CUDA: the fastest of
-    ``fp8_mma_gemv.BATCH_CANDIDATES``, the unsplit GEMM and, when ``cublas``, ``SCALED_MM``, timed
+    ``fp8_mma_gemv.BATCH_CANDIDATES`` and, when ``cublas``, ``SCALED_MM`` (else the unsplit GEMM), timed
     once per shape and row count (``gemv.fastest``; inside a capture an unmeasured shape keeps
     ``SCALED_MM`` when ``cublas``, else the unsplit GEMM)."""
     key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None, cublas)
@@ -192,7 +193,7 @@ def batch_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def _batch_runs(a, weight, weight_scale, bias, cublas: bool) -> dict:
     """``batch_plan``'s candidates for ``a``'s rows -> a call running ``fp8_linear`` with each."""
-    choices = fp8_mma_gemv.BATCH_CANDIDATES + [_block_sizes(a.shape[0])] + ([SCALED_MM] if cublas else [])
+    choices = fp8_mma_gemv.BATCH_CANDIDATES + [SCALED_MM if cublas else _block_sizes(a.shape[0])]
     return {choice: lambda choice=choice: fp8_linear(a, weight, weight_scale, bias, choice) for choice in choices}
 
 
@@ -203,7 +204,7 @@ def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     CUDA ``batch_plan``; beyond, ``SCALED_MM`` on sm90 where it takes the shape, else the GEMM."""
     choice = os.environ.get(GEMM_ENV)
     if choice not in (None, "triton", "scaled_mm"):
-        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: measured up to 256 rows, "
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: measured up to 128 rows, "
                          "scaled_mm beyond on sm90)")
     rows = a.shape[0]
     cublas = choice != "triton" and _scaled_mm_takes(a, weight, weight_scale)

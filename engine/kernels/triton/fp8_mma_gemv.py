@@ -1,27 +1,28 @@
 """FP8 GEMM with the weight as the MMA's large side ("swap AB"): ``out = x W^T + bias`` for the
-rows of a decode step or a small batch (``M <= MAX_ROWS``), the W8A8 function of
+rows of a decode step or a small batch (``M <= MAX_ROWS``, 128), the W8A8 function of
 ``engine.kernels.fp8.fp8_linear`` (contract there).
 
 Why: ``fp8_gemv.py`` multiplies in float32 FMAs, converting every e4m3 weight first, and on the
 H200 that tops out at 1-2 TB/s of weight bytes (instructions, not bandwidth); ``fp8.py``'s GEMM
 puts the activation rows on the MMA's M side, so it pads them to 16 and quantizes all 16 at every
 K step; cuBLAS's block-scaled GEMM (``scaled_mm``) tiles the output 128 x 128 without splitting K,
-so at up to 256 rows Qwen3-8B's linears leave most of the 132 SMs idle (0.8-1.2 x bf16's time).
+so at 32-128 rows Qwen3-8B's linears leave most of the 132 SMs idle (0.7-1.8 x bf16's time).
 Here each program multiplies its ``[BLOCK_N, 128]`` e4m3 weight tile by the transposed
 ``[TILE_ROWS, 128]`` tile of quantized activations (``tl.dot(w, trans(xq))``: the weight rows are
 the MMA's M, 64 or more, which sm90's wgmma takes straight from shared memory), so the weight's
 bytes are never touched by the ALUs. Up to ``QUANTIZE_MAX_ROWS`` rows the kernel quantizes the real
 rows itself (each row's 128 values once per group, ``fp8_tiles.quantize_tile``) into a zero
 16-row tile: one launch; beyond, ``fp8_linear`` quantizes them first (``quantize_per_token_group``,
-the same function) and the kernel loads tiles of up to ``MAX_TILE_ROWS`` rows and their scales.
+the same function) and the kernel loads all the rows, zero-padded to a power of two, and their
+scales. On the H200 (``scripts/bench_fp8.py gemv``, weights from HBM) a 32-row tile read gate-up's
+weight at 3.1 TB/s (32 us against bf16's 57 and cuBLAS FP8's 41); at 128 rows it won 2 of
+Qwen3-8B's 4 linears, at 256 none (1.1-1.8 x cuBLAS's time), so ``MAX_ROWS`` is 128.
 
-Program (row tile, column block, split) walks its split's 128-column groups, one group per
-iteration, pipelined ``num_stages`` deep: per group the fp8 product ``[BLOCK_N, TILE_ROWS]``
-(float32 accumulation) is scaled by the weight scale of each weight row and the activation scale
-of each row and added. The row tiles of a column block are neighbours in the grid, so the second
-reads the weight tile from L2. The split-K partial sums are float32, merged by the last split of
-a (row tile, column block) to arrive (``fp8_tiles.finish_split``: deterministic, no memset,
-CUDA-graph safe).
+Program (column block, split) walks its split's 128-column groups, one group per iteration,
+pipelined ``num_stages`` deep: per group the fp8 product ``[BLOCK_N, TILE_ROWS]`` (float32
+accumulation) is scaled by the weight scale of each weight row and the activation scale of each
+row and added. The split-K partial sums are float32, merged by the last split of a column block
+to arrive (``fp8_tiles.finish_split``: deterministic, no memset, CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -39,8 +40,7 @@ from engine.kernels.triton.host_math import cdiv, next_power_of_2
 from engine.kernels.triton.semaphores import zeroed_counters
 
 QUANTIZE_MAX_ROWS = fp8_gemv.MAX_ROWS  # up to this many rows the kernel quantizes them itself
-MAX_ROWS = 256      # the rows a launch takes (beyond, the GEMMs' tiles on the rows fill the GPU)
-MAX_TILE_ROWS = 128  # the MMA's N: a tile of activation rows (zero-padded to a power of two >= 16)
+MAX_ROWS = 128  # the rows a launch takes, all in one tile: the MMA's N (zero-padded to a power of two >= 16)
 _GROUP = tl.constexpr(GROUP)
 
 
@@ -60,10 +60,10 @@ class Fp8MmaGemvConfig(NamedTuple):
 CANDIDATES = [Fp8MmaGemvConfig(block_n, split_k, stages) for block_n, split_k, stages in
               [(64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 3), (64, 8, 4), (64, 16, 3), (128, 2, 4), (128, 4, 3),
                (128, 8, 3), (128, 8, 4), (128, 16, 3), (128, 16, 4), (128, 32, 3)]]
-# Beyond gemv.MAX_ROWS rows (batches of 17-256 decoding sequences) the tiles of rows share each weight tile:
-# fewer splits, more programs per weight byte.
+# Beyond gemv.MAX_ROWS rows (batches of 17-128 decoding sequences): the winners on the H200 at 32-128 rows
+# (Qwen3-8B's linears, 2026-12-04) among 7 shapes, where 128-row weight tiles and 8 splits never won.
 BATCH_CANDIDATES = [Fp8MmaGemvConfig(block_n, split_k, stages) for block_n, split_k, stages in
-                    [(64, 1, 4), (64, 2, 4), (64, 4, 3), (128, 1, 3), (128, 2, 3), (128, 4, 3), (128, 8, 3)]]
+                    [(64, 1, 4), (64, 2, 4), (64, 4, 3)]]
 
 
 def fits(rows: int) -> bool:
@@ -72,8 +72,8 @@ def fits(rows: int) -> bool:
 
 
 def tile_rows(rows: int) -> int:
-    """The activation rows of a program's tile for a launch over ``rows`` rows."""
-    return min(MAX_TILE_ROWS, max(16, next_power_of_2(rows)))
+    """The activation rows of the tile for a launch over ``rows`` rows (zero-padded)."""
+    return max(16, next_power_of_2(rows))
 
 
 def num_warps(config: Fp8MmaGemvConfig, rows: int) -> int:
@@ -89,12 +89,11 @@ def _fp8_mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_p
                          NUM_STAGES: tl.constexpr):
     """``ROWS`` > 0: x holds that many raw rows (one tile), quantized here; 0: x holds e4m3 rows and
     ``xs`` their scales ``[M, K / 128]``."""
-    row_tile = tl.program_id(0)
-    block = tl.program_id(1)
-    split = tl.program_id(2)
+    block = tl.program_id(0)
+    split = tl.program_id(1)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: the output's columns
     col_ok = cols < N
-    rows = row_tile * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    rows = tl.arange(0, TILE_ROWS)
     row_ok = rows < M
     in_group = tl.arange(0, _GROUP)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * w_stride
@@ -124,7 +123,7 @@ def _fp8_mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_p
     out = tl.trans(acc)  # [TILE_ROWS, BLOCK_N]: rows of the output
     out_mask = row_ok[:, None] & col_ok[None, :]
     finish_split(out, split, part_ptr + rows[:, None] * N + cols[None, :], M * N,
-                 counters_ptr + row_tile * tl.num_programs(1) + block, bias_ptr,
+                 counters_ptr + block, bias_ptr,
                  out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], cols, col_ok, out_mask, HAS_BIAS,
                  SPLIT_K)
 
@@ -141,15 +140,14 @@ def launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, 
     if rows > raw_limit or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8 MMA GEMV: {rows} rows (quantized: {x_scale is not None}) of {weight.dtype}; it takes "
                          f"at most {raw_limit} rows and an e4m3 weight")
-    tile = tile_rows(rows)
-    row_tiles, blocks = cdiv(rows, tile), cdiv(n, config.block_n)
+    blocks = cdiv(n, config.block_n)
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
         part = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
-    _fp8_mma_gemv_kernel[(row_tiles, blocks, config.split_k)](
+    _fp8_mma_gemv_kernel[(blocks, config.split_k)](
         x, x if x_scale is None else x_scale, weight, weight_scale, bias if bias is not None else out, out, part,
-        zeroed_counters(x.device, row_tiles * blocks), rows, n, k, x.stride(0),
+        zeroed_counters(x.device, blocks), rows, n, k, x.stride(0),
         0 if x_scale is None else x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         SCALE_BLOCK_N=weight_block_rows(weight, weight_scale), HAS_BIAS=bias is not None,
-        ROWS=0 if x_scale is not None else next_power_of_2(rows), TILE_ROWS=tile, BLOCK_N=config.block_n,
+        ROWS=0 if x_scale is not None else next_power_of_2(rows), TILE_ROWS=tile_rows(rows), BLOCK_N=config.block_n,
         SPLIT_K=config.split_k, NUM_STAGES=config.num_stages, num_warps=num_warps(config, rows))
