@@ -5,7 +5,7 @@
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
 ``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
-(``F.linear``), ``kernels.fp8.fp8_linear`` with the Triton GEMM (the default) and with
+(``F.linear``), ``kernels.fp8.fp8_linear`` with the Triton kernels (``AGENT_INFER_FP8_GEMM=triton``) and with
 ``AGENT_INFER_FP8_GEMM=scaled_mm`` (cuBLAS block-wise scaling; null with the error where it
 refuses the shape), microseconds per call (CUDA events around CUDA-graph replays, median of 20)
 and TB/s of weight bytes at M = 1. Up to 16 rows also the launch shape the decode plan chose
@@ -113,7 +113,9 @@ def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
             if m <= MAX_ROWS:
                 chosen, runs = decode_plan(x, *quantized[0], None), _decode_runs(x, *quantized[0], None)
             else:
-                chosen, runs = batch_plan(x, *quantized[0], None, True), _batch_runs(x, *quantized[0], None, True)
+                cublas = triton_fp8._scaled_mm_takes(x, *quantized[0]) and torch.cuda.get_device_capability() == (9, 0)
+                chosen = batch_plan(x, *quantized[0], None, cublas)
+                runs = _batch_runs(x, *quantized[0], None, cublas)
             row["plan"] = name_of(chosen)
             times = {}
             for config in runs:

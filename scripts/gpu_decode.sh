@@ -38,7 +38,8 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
         fits 150 tests || continue
         timeout 140 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
             phases/01_numeric_primitives/test_decode_gemv.py phases/01_numeric_primitives/test_fp8_kv_cache.py \
-            phases/12_quantization/test_fp8_kernels.py phases/12_quantization/test_fp8_decode.py phases/12_quantization/test_fp8_gemv.py -k "${TESTS_K:-not nothing}" \
+            phases/12_quantization/test_fp8_kernels.py phases/12_quantization/test_fp8_decode.py phases/12_quantization/test_fp8_gemv.py \
+            phases/12_quantization/test_fp8_mma_gemv.py -k "${TESTS_K:-not nothing}" \
             > "$OUT/tests.log" 2>&1
         echo "cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/tests.log")" ;;
     kernels)

@@ -182,3 +182,20 @@ def test_paged_decode_query_in_two_parts_off_the_main_block(target):
     """``q_rope`` where the first part does not fill the head dim's main block (96 | 32 of 128, GQA):
     the same answer as the whole query (the Triton backend concatenates first)."""
     run_decode(target, 2, 4, 128, 128, False, 16, [5, 40], seed=3, rope_dim=32)
+
+
+def test_triton_decode_attention_refuses_what_it_cannot_launch():
+    """The Triton wrapper's refusals, before any launch (so they run without a GPU): more than
+    65,535 sequences (the grid's y dimension) and fp16 dots over a cache that is not e4m3 (a bf16
+    value past ±65,504 would become inf) are ValueErrors naming the limit."""
+    pytest.importorskip("triton")
+    from engine.kernels.triton.decode_attention import paged_decode_attention
+
+    cache = torch.zeros(1, 16, 1, 16)
+    many = 65536
+    with pytest.raises(ValueError, match="65,535 sequences"):
+        paged_decode_attention(torch.zeros(many, 1, 16), cache, cache, torch.zeros(many, 1, dtype=torch.int32),
+                               torch.ones(many, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="fp16_dots needs an e4m3 cache"):
+        paged_decode_attention(torch.zeros(2, 1, 16), cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                               torch.ones(2, dtype=torch.int32), 1.0, fp16_dots=True)

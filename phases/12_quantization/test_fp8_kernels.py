@@ -181,7 +181,7 @@ def test_fp8_ops_replay_in_a_cuda_graph(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [300, 200, 130, 40, 8])
 def test_scaled_mm_switch_matches_triton(monkeypatch, rows):
-    """cuBLAS block-wise scaling (the default for prefill rows on sm90, a timed candidate for 17-256
+    """cuBLAS block-wise scaling (the default for prefill rows on sm90, a timed candidate for 17-128
     rows, forced by ``AGENT_INFER_FP8_GEMM=scaled_mm``), the Triton kernels (``=triton``) and the
     default's choice give float64's result on
     the dequantized values within bf16 rounding, where cuBLAS applies (whole 128-blocks), also for

@@ -171,8 +171,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (bf16 takes several), the query saturated at fp16's +-65504 and rounded to 11 significant bits
     (bf16 keeps 8). None picks what the H200 measured fastest at the offline throughput's 256
     sequences (``scripts/bench_kernels.py --only decode_fp8``, 512 tokens of context): a bf16 cache
-    64 x 2 (141.5 us, 3.8 TB/s); an e4m3 cache under a bf16 query 128 x 3 with fp16 dots (131.6 us,
-    2.0 TB/s, against 156.3 with the bf16 cache's launch); MLA's wide heads 32 x 2. ``q_rope`` is
+    64 x 2 (138.9 us, 3.9 TB/s); an e4m3 cache of head dim 128 or less under a bf16 query 128 x 3
+    with fp16 dots (130.7 us, 2.1 TB/s, against 156.1 with the bf16 cache's launch); any other
+    (MLA's wide heads 32 x 2, not measured over e4m3) the bf16 cache's launch. ``q_rope`` is
     read in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
     concatenated first."""
     head_dim = k_cache.shape[3]
@@ -189,15 +190,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_dv = max(16, next_power_of_2(v_dim))
     wide = block_d + block_tail + block_dv > 512
     block_g = min(max(16, next_power_of_2(group)), 16 if wide else 64)
+    if batch > 65535:  # the grid's y dimension
+        raise ValueError(f"paged_decode_attention: at most 65,535 sequences a launch, got {batch}")
     e4m3 = k_cache.dtype == torch.float8_e4m3fn
+    measured = e4m3 and block_d + block_tail <= 128  # the e4m3 launch measured (head dim 128; not MLA's 576)
     if fp16_dots is None:
-        fp16_dots = e4m3 and q.dtype == torch.bfloat16
+        fp16_dots = measured and q.dtype == torch.bfloat16
     elif fp16_dots and not e4m3:
         raise ValueError("paged_decode_attention: fp16_dots needs an e4m3 cache (a bf16 one can overflow fp16)")
     if block_n is None:
-        block_n = 32 if wide else 128 if e4m3 else 64
+        block_n = 32 if wide else 128 if measured else 64
     if num_stages is None:
-        num_stages = 3 if e4m3 and not wide else 2
+        num_stages = 3 if measured else 2
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode_attention: block_n must be a power of two >= 16, got {block_n}")
     head_blocks = cdiv(group, block_g)

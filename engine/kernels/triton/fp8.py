@@ -11,11 +11,12 @@ Decode (up to ``gemv.MAX_ROWS`` rows): one 16-row tile would leave only N / BLOC
 looping over all of K, so the K loop is split too (``SPLIT_K`` runs of whole 128-column groups,
 one launch): each program stores its float32 partial sums and the last split of a column block
 to arrive adds them in split order, then the bias (``semaphores.arrive_last``: deterministic, no
-memset, graph-safe). Up to ``fp8_gemv.MAX_ROWS`` rows the FP8 GEMVs are candidates too
-(``fp8_gemv.py``: FMAs over a tile of just the rows there are, no padding to 16;
-``fp8_mma_gemv.py``: the weight as the MMA's large side, only the real rows quantized). The
-launch is timed once per shape on CUDA among ``DECODE_CANDIDATES`` (the unsplit GEMM included)
-and the GEMVs' (``decode_plan``, ``gemv.fastest``).
+memset, graph-safe). The FP8 GEMVs are candidates too: up to ``fp8_gemv.MAX_ROWS`` rows
+``fp8_gemv.py`` (FMAs over a tile of just the rows there are, no padding to 16), at every row
+count ``fp8_mma_gemv.py`` (the weight as the MMA's large side; up to 8 rows only the real rows
+quantized, in the kernel; beyond, quantized first). The launch is timed once per shape on CUDA
+among ``DECODE_CANDIDATES`` (the unsplit GEMM included) and the GEMVs' (``decode_plan``,
+``gemv.fastest``).
 
 Experts: up to ``fp8_gemv.MAX_ROWS`` tokens the GEMV takes them, one program per assignment reading
 its expert in place; beyond, assignments are grouped by expert on the device into tiles of ``BLOCK_M`` rows
@@ -206,13 +207,13 @@ def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if choice not in (None, "triton", "scaled_mm"):
         raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: measured up to 128 rows, "
                          "scaled_mm beyond on sm90)")
-    rows = a.shape[0]
-    cublas = choice != "triton" and _scaled_mm_takes(a, weight, weight_scale)
-    if cublas and choice == "scaled_mm":
+    if choice == "scaled_mm" and _scaled_mm_takes(a, weight, weight_scale):
         return SCALED_MM
-    cublas = cublas and torch.cuda.get_device_capability(a.device) == (9, 0)
-    if rows <= MAX_ROWS:
+    rows = a.shape[0]
+    if rows <= MAX_ROWS:  # a decode step's: no more host work than the plan's lookup
         return decode_plan(a, weight, weight_scale, bias)
+    cublas = choice is None and _scaled_mm_takes(a, weight, weight_scale) \
+        and torch.cuda.get_device_capability(a.device) == (9, 0)
     if rows <= fp8_mma_gemv.MAX_ROWS and a.device.type == "cuda":
         return batch_plan(a, weight, weight_scale, bias, cublas)
     return SCALED_MM if cublas else _block_sizes(rows)

@@ -66,18 +66,13 @@ BATCH_CANDIDATES = [Fp8MmaGemvConfig(block_n, split_k, stages) for block_n, spli
                     [(64, 1, 4), (64, 2, 4), (64, 4, 3)]]
 
 
-def fits(rows: int) -> bool:
-    """Whether the launch takes ``rows`` activation rows (at most ``MAX_ROWS``)."""
-    return rows <= MAX_ROWS
-
-
 def tile_rows(rows: int) -> int:
     """The activation rows of the tile for a launch over ``rows`` rows (zero-padded)."""
     return max(16, next_power_of_2(rows))
 
 
 def num_warps(config: Fp8MmaGemvConfig, rows: int) -> int:
-    """4 per 128 weight rows and 4 per 2,048 accumulators (64 float32 registers a thread), at least 4."""
+    """4 per 128 weight rows and 1 per 2,048 accumulators (64 float32 registers a thread), at least 4."""
     return max(4, config.block_n // 32, config.block_n * tile_rows(rows) // 2048)
 
 
