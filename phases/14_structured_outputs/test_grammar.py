@@ -66,7 +66,7 @@ expr ::= term (("+" | "-") term)*
 term ::= num | "(" expr ")"
 num ::= [0-9] | [1-9] [0-9] | [1-9] [0-9] [0-9]
 """
-PATHOLOGICAL_DEPTH = 6  # nested anyOf of arrays / objects: 52 KB of schema, ~0.6 s to compile on one core
+PATHOLOGICAL_DEPTH = 6  # nested anyOf of arrays / objects: 52 KB of schema, 0.2-0.6 s to compile on one core
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +90,21 @@ def compiler(tokenizer, eos):
 def make_compiler(tokenizer, eos):
     """Fresh compilers (own cache and workers) whose compiles are counted: ``compiler.calls``
     lists the specs compiled; after each compile ends, ``compiler.ended`` holds its
-    ``time.perf_counter()`` and ``compiler.finished`` is set."""
+    ``time.perf_counter()`` and ``compiler.finished`` is set. A compile starts only while
+    ``compiler.go`` is set (it is, unless a test clears it): a test that needs a compile to outlast
+    the time limit holds it there, on any host (the pathological schema alone takes 0.2-0.6 s)."""
     made = []
 
     def make(**kwargs):
         compiler = GrammarCompiler(tokenizer, VOCAB, [eos], **kwargs)
-        compiler.calls, compiler.finished = [], threading.Event()
+        compiler.calls, compiler.finished, compiler.go = [], threading.Event(), threading.Event()
+        compiler.go.set()
         compile_now = compiler._compile_now
 
         def counted(spec):
             compiler.calls.append(spec)
             try:
+                assert compiler.go.wait(120), "the test never let the compile start"
                 return compile_now(spec)
             finally:
                 compiler.ended = time.perf_counter()
@@ -315,11 +319,13 @@ def test_a_pathological_schema_hits_the_time_limit_and_stays_refused(make_compil
     past the limit itself, so the spec is cached as refused: asked again, it is refused at once
     and compiled no more. The worker is then free for other specs."""
     compiler = make_compiler(workers=1, timeout_s=0.02)
+    compiler.go.clear()  # the compile runs past the limit on any host
     spec = schema_spec(pathological_schema())
     with pytest.raises(StructuredOutputError, match="compiling the grammar took longer than 0.02 s") as caught:
         compiler.compile(spec)
     answered = time.perf_counter()
     assert caught.value.param == "structured_outputs.json"
+    compiler.go.set()
     assert compiler.finished.wait(120)
     assert answered < compiler.ended  # the request did not wait for the compile to end
     for _ in range(3):
@@ -332,6 +338,7 @@ def test_a_pathological_schema_hits_the_time_limit_and_stays_refused(make_compil
 
 def test_a_flood_of_one_pathological_schema_takes_one_worker_once(make_compiler):
     compiler = make_compiler(workers=2, timeout_s=0.02)
+    compiler.go.clear()  # the compile outlasts every request's limit
     spec = schema_spec(pathological_schema())
     errors = []
 
@@ -346,6 +353,7 @@ def test_a_flood_of_one_pathological_schema_takes_one_worker_once(make_compiler)
     for thread in threads:
         thread.join()
     assert len(errors) == 10 and compiler.calls == [spec]
+    compiler.go.set()
     assert compiler.finished.wait(120)
     assert compiler.calls == [spec]
 
@@ -354,10 +362,12 @@ def test_a_compile_given_up_while_queued_is_cancelled_and_not_refused(make_compi
     """One worker busy with a pathological schema: a request queued behind it times out, its
     compile never starts, and the spec is not held against it (it was only queued)."""
     compiler = make_compiler(workers=1, timeout_s=0.02)
+    compiler.go.clear()  # the slow compile outlasts both requests' limits
     slow, queued = schema_spec(pathological_schema()), StructuredSpec("regex", "[a-z]+")
     for spec in (slow, queued):
         with pytest.raises(StructuredOutputError, match="took longer"):
             compiler.compile(spec)
+    compiler.go.set()
     assert compiler.finished.wait(120)
     compiler.timeout_s = 30.0
     later = StructuredSpec("regex", "[0-9]+")
@@ -367,7 +377,8 @@ def test_a_compile_given_up_while_queued_is_cancelled_and_not_refused(make_compi
 
 
 def test_the_async_wait_leaves_the_event_loop_running(make_compiler):
-    compiler = make_compiler(workers=1, timeout_s=0.2)
+    compiler = make_compiler(workers=1, timeout_s=0.5)
+    compiler.go.clear()  # the compile outlasts the limit: the wait is the limit's 0.5 s on any host
     spec = schema_spec(pathological_schema())
 
     async def main():
@@ -379,11 +390,12 @@ def test_the_async_wait_leaves_the_event_loop_running(make_compiler):
                 ticks += 1
                 await asyncio.sleep(0.005)
         ticker = asyncio.create_task(tick())
-        with pytest.raises(StructuredOutputError, match="took longer than 0.2 s"):
+        with pytest.raises(StructuredOutputError, match="took longer than 0.5 s"):
             await compiler.compile_async(spec)
         ticker.cancel()
         return ticks
-    assert asyncio.run(main()) >= 5  # ~40 expected; a loop blocked for the compile ticks once
+    assert asyncio.run(main()) >= 5  # ~100 expected; a loop blocked for the wait ticks once
+    compiler.go.set()
     assert compiler.finished.wait(120)
 
 
