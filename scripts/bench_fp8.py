@@ -113,9 +113,7 @@ def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
             if m <= MAX_ROWS:
                 chosen, runs = decode_plan(x, *quantized[0], None), _decode_runs(x, *quantized[0], None)
             else:
-                cublas = triton_fp8._scaled_mm_takes(x, *quantized[0]) and torch.cuda.get_device_capability() == (9, 0)
-                chosen = batch_plan(x, *quantized[0], None, cublas)
-                runs = _batch_runs(x, *quantized[0], None, cublas)
+                chosen, runs = batch_plan(x, *quantized[0], None), _batch_runs(x, *quantized[0], None)
             row["plan"] = name_of(chosen)
             times = {}
             for config in runs:

@@ -1,9 +1,9 @@
 """Paged decode attention: split-K flash-decoding, in one launch or two.
 
 Program (KV head x query-head block, sequence, split) scores a slice of the
-context against every query head of that KV head at once (a sequence's KV heads are
-neighbours in the grid: 1.7 % faster over a bf16 cache on the H200) (the head group is
-padded to >= 16 rows for tl.dot). With one split (batches whose programs fill
+context against every query head of that KV head at once (the head group is
+padded to >= 16 rows for tl.dot); a sequence's KV heads are neighbours in the grid
+(1.7 % faster over a bf16 cache on the H200). With one split (batches whose programs fill
 the GPU) it writes the output itself: one launch. With several it writes a
 normalised partial output and its log-sum-exp, and the splits are merged
 either by a second launch (a program per sequence and head) or, with

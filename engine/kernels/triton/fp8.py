@@ -181,21 +181,27 @@ def _decode_runs(a, weight, weight_scale, bias) -> dict:
 _BATCH_PLANS: dict[tuple, DecodeConfig | str] = {}
 
 
-def batch_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               cublas: bool) -> DecodeConfig | str:
+def batch_plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> DecodeConfig | str:
     """The launch for ``a [gemv.MAX_ROWS < M <= fp8_mma_gemv.MAX_ROWS, K]`` on CUDA: the fastest of
-    ``fp8_mma_gemv.BATCH_CANDIDATES`` and, when ``cublas``, ``SCALED_MM`` (else the unsplit GEMM), timed
-    once per shape and row count (``gemv.fastest``; inside a capture an unmeasured shape keeps
-    ``SCALED_MM`` when ``cublas``, else the unsplit GEMM)."""
-    key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None, cublas)
-    return fastest(_BATCH_PLANS, key, SCALED_MM if cublas else _block_sizes(a.shape[0]),
-                   lambda: _batch_runs(a, weight, weight_scale, bias, cublas))
+    ``_batch_runs``, timed once per shape and row count (``gemv.fastest``; inside a capture an
+    unmeasured shape keeps ``_cublas_or_gemm``)."""
+    other = _cublas_or_gemm(a, weight, weight_scale)
+    key = (a.device, a.shape[0], *weight.shape, weight_scale.shape[0], a.dtype, bias is not None, other)
+    return fastest(_BATCH_PLANS, key, other, lambda: _batch_runs(a, weight, weight_scale, bias))
 
 
-def _batch_runs(a, weight, weight_scale, bias, cublas: bool) -> dict:
-    """``batch_plan``'s candidates for ``a``'s rows -> a call running ``fp8_linear`` with each."""
-    choices = fp8_mma_gemv.BATCH_CANDIDATES + [SCALED_MM if cublas else _block_sizes(a.shape[0])]
-    return {choice: lambda choice=choice: fp8_linear(a, weight, weight_scale, bias, choice) for choice in choices}
+def _cublas_or_gemm(a, weight, weight_scale) -> GemmConfig | str:
+    """``SCALED_MM`` for ``a`` where ``_scaled_mm_unforced``, else the unsplit GEMM: the launch beyond
+    the MMA GEMV's rows, and the one timed against it within them."""
+    return SCALED_MM if _scaled_mm_unforced(a, weight, weight_scale) else _block_sizes(a.shape[0])
+
+
+def _batch_runs(a, weight, weight_scale, bias) -> dict:
+    """``batch_plan``'s candidates for ``a``'s rows -> a call running ``fp8_linear`` with each:
+    ``fp8_mma_gemv.BATCH_CANDIDATES`` and ``_cublas_or_gemm``'s."""
+    return {choice: lambda choice=choice: fp8_linear(a, weight, weight_scale, bias, choice)
+            for choice in fp8_mma_gemv.BATCH_CANDIDATES + [_cublas_or_gemm(a, weight, weight_scale)]}
 
 
 def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -212,11 +218,9 @@ def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     rows = a.shape[0]
     if rows <= MAX_ROWS:  # a decode step's: no more host work than the plan's lookup
         return decode_plan(a, weight, weight_scale, bias)
-    cublas = choice is None and _scaled_mm_takes(a, weight, weight_scale) \
-        and torch.cuda.get_device_capability(a.device) == (9, 0)
     if rows <= fp8_mma_gemv.MAX_ROWS and a.device.type == "cuda":
-        return batch_plan(a, weight, weight_scale, bias, cublas)
-    return SCALED_MM if cublas else _block_sizes(rows)
+        return batch_plan(a, weight, weight_scale, bias)
+    return _cublas_or_gemm(a, weight, weight_scale)
 
 
 def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile_expert=None, experts_per_row=1):
@@ -314,6 +318,13 @@ def _scaled_mm_takes(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     n, k = weight.shape
     return (a.device.type == "cuda" and weight_block_rows(weight, weight_scale) == GROUP and n % GROUP == 0
             and k % GROUP == 0)
+
+
+def _scaled_mm_unforced(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` may choose cuBLAS for ``a`` when ``GEMM_ENV`` forces nothing: the
+    variable unset, an sm90 GPU, a shape ``scaled_mm`` takes."""
+    return (os.environ.get(GEMM_ENV) is None and _scaled_mm_takes(a, weight, weight_scale)
+            and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
 def _scaled_mm_linear(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -117,8 +117,7 @@ def _fp8_mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_p
         acc += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
     out = tl.trans(acc)  # [TILE_ROWS, BLOCK_N]: rows of the output
     out_mask = row_ok[:, None] & col_ok[None, :]
-    finish_split(out, split, part_ptr + rows[:, None] * N + cols[None, :], M * N,
-                 counters_ptr + block, bias_ptr,
+    finish_split(out, split, part_ptr + rows[:, None] * N + cols[None, :], M * N, counters_ptr + block, bias_ptr,
                  out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], cols, col_ok, out_mask, HAS_BIAS,
                  SPLIT_K)
 
