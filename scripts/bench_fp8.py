@@ -1,7 +1,7 @@
 """FP8 on the GPU: the GEMMs against bf16 cuBLAS, and FP8 against bf16 on the same random weights.
 
     python scripts/bench_fp8.py gemm [--preset qwen3-8b] [--json out.json]
-    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8 32 128] [--json out.json]
+    python scripts/bench_fp8.py gemv [--preset qwen3-8b] [--rows 1 8 32 128] [--sweep] [--json out.json]
     python scripts/bench_fp8.py agreement [--preset qwen3-8b] [--tokens 64] [--json out.json]
 
 ``gemm``: each decoder linear shape of the preset at M = 1, 8, 16, 256 and 4096 rows (``--rows``): bf16 cuBLAS
@@ -17,9 +17,10 @@ graph of one call per copy of the weight, enough copies to pass 400 MB (every ca
 weight from HBM, none from L2; a single weight timed alone would be one launch's latency, and
 repeated it would sit in the 50 MB L2): bf16 cuBLAS and every FP8 launch the plan times (up to 16
 rows ``decode_plan``'s: the GEMM's split-K, the FMA GEMV's, the MMA GEMV's; 17-128 rows
-``batch_plan``'s: the MMA GEMV's, ``scaled_mm``), microseconds per call
-and TB/s of weight bytes, beside the launch the plan chose at load (timed there on one weight,
-repeated).
+``batch_plan``'s: the MMA GEMV's, ``scaled_mm``; beyond, the one launch the plan takes),
+microseconds per call and TB/s of weight bytes, beside the launch the plan chose at load (timed
+there on one weight, repeated). ``--sweep`` also times every Triton GEMM launch of ``SWEEP`` (tiles x
+split-K x warps x stages) past 16 rows: where to look for better batch candidates.
 
 ``agreement``: the preset's random bf16 weights, as the bf16 model and online-quantized to FP8
 (``quantization="fp8"``); greedy decode of the bf16 model from random prompts, then both models
@@ -47,10 +48,22 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import fp8  # noqa: E402
 from engine.kernels.triton import fp8 as triton_fp8  # noqa: E402
 from engine.kernels.triton import fp8_mma_gemv  # noqa: E402
-from engine.kernels.triton.fp8 import _batch_runs, _block_sizes, _decode_runs, batch_plan, decode_plan  # noqa: E402
+from engine.kernels.triton.fp8 import (  # noqa: E402
+    GemmConfig,
+    _batch_runs,
+    _block_sizes,
+    _cublas_or_gemm,
+    _decode_runs,
+    batch_plan,
+    decode_plan,
+)
 from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
 
 UNSPLIT = _block_sizes(1)  # the FP8 GEMM's launch shape before the decode split-K
+BATCH_ROWS = 256           # gemv: the most rows timed (a decode batch of the offline throughput's 256 sequences)
+SWEEP = [GemmConfig(block_m, block_n, split_k, warps, stages) for block_m in (64, 128) for block_n in (64, 128, 256)
+         for split_k in (1, 2, 4) for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4))
+         if warps == 8 or block_m * block_n < 128 * 256]
 
 
 def graph_us(fn) -> float:
@@ -99,7 +112,7 @@ def name_of(config) -> str:
     return config if isinstance(config, str) else f"{type(config).__name__}{tuple(config)}"
 
 
-def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
+def bench_gemv(preset: dict, row_counts: list[int], sweep: bool) -> list[dict]:
     rows = []
     layer, _ = dense_linear_shapes(preset)
     for n, k in layer:
@@ -112,20 +125,26 @@ def bench_gemv(preset: dict, row_counts: list[int]) -> list[dict]:
                    "bf16_us": step_like_us([lambda w=w: F.linear(x, w) for w in weights])}
             if m <= MAX_ROWS:
                 chosen, runs = decode_plan(x, *quantized[0], None), _decode_runs(x, *quantized[0], None)
-            else:
+            elif m <= fp8_mma_gemv.MAX_ROWS:
                 chosen, runs = batch_plan(x, *quantized[0], None), _batch_runs(x, *quantized[0], None)
+            else:  # past batch_plan's rows: the plan's one launch
+                chosen = _cublas_or_gemm(x, *quantized[0])
+                runs = [chosen]
             row["plan"] = name_of(chosen)
             times = {}
-            for config in runs:
+            for config in [*runs, *(SWEEP if sweep and m > MAX_ROWS else [])]:
                 calls = [lambda q=q, s=s, config=config: triton_fp8.fp8_linear(x, q, s, config=config)
                          for q, s in quantized]
-                times[name_of(config)] = step_like_us(calls)
+                try:
+                    times[name_of(config)] = step_like_us(calls)
+                except RuntimeError as error:  # a sweep's launch that does not fit (shared memory, registers)
+                    print(f"{name_of(config)} at {m} x {n} x {k}: {str(error).splitlines()[0]}", file=sys.stderr)
             best = min(times, key=times.get)
             row.update(fp8_plan_us=times[row["plan"]], fp8_best=best, fp8_best_us=times[best], fp8_us=times)
             row.update(bf16_tb_s=2 * n * k / row["bf16_us"] / 1e6, fp8_best_tb_s=n * k / times[best] / 1e6,
                        fp8_plan_tb_s=n * k / times[row["plan"]] / 1e6)
             rows.append(row)
-            print(json.dumps({key: value for key, value in row.items() if key != "fp8_us"}), file=sys.stderr)
+            print(json.dumps(row), file=sys.stderr)
         del weights, quantized
     return rows
 
@@ -173,7 +192,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 256, 4096],
-                        help="gemm, gemv: the row counts (M) to time (gemv: at most 128)")
+                        help="gemm, gemv: the row counts (M) to time (gemv: at most 256)")
+    parser.add_argument("--sweep", action="store_true", help="gemv: also time the Triton GEMM's SWEEP past 16 rows")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -181,7 +201,7 @@ def main() -> int:
     if args.what == "gemm":
         report["gemm"] = bench_gemm(preset, args.rows)
     elif args.what == "gemv":
-        report["gemv"] = bench_gemv(preset, [m for m in args.rows if m <= fp8_mma_gemv.MAX_ROWS])
+        report["gemv"] = bench_gemv(preset, [m for m in args.rows if m <= BATCH_ROWS], args.sweep)
     else:
         report["agreement"] = bench_agreement(preset, args.prompts, args.prompt_len, args.tokens)
     text = json.dumps(report, indent=1)
