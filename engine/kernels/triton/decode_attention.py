@@ -33,6 +33,9 @@ _LOG2E = 1.4426950408889634
 # several splits merged by the last split to arrive (one launch) instead of by a merge launch: off
 # until the H200 measures it faster (scripts/bench_kernels.py times both)
 FUSED_MERGE = False
+# registers per thread of the e4m3 cache's 128 x 3 launch: three 4-warp programs per sm90 SM (65,536 / 3 / 128,
+# rounded down to the allocation unit of 8), a few spills; the compiler's own 216 leave two
+E4M3_MAX_REGISTERS = 168
 WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the split kernel's result
 
 
@@ -161,7 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
                            num_splits: int | None = None, fused_merge: bool | None = None,
                            block_n: int | None = None, num_stages: int | None = None,
-                           fp16_dots: bool | None = None) -> torch.Tensor:
+                           fp16_dots: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
     SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
     (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
@@ -169,11 +172,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     key tile a loop step loads and ``num_stages`` how many tiles the compiler keeps in flight;
     ``fp16_dots`` runs both dots in fp16, to which e4m3 upcasts in one instruction and exactly
     (bf16 takes several), the query saturated at fp16's +-65504 and rounded to 11 significant bits
-    (bf16 keeps 8). None picks what the H200 measured fastest at the offline throughput's 256
-    sequences (``scripts/bench_kernels.py --only decode_fp8``, 512 tokens of context): a bf16 cache
-    64 x 2 (138.9 us, 3.9 TB/s); an e4m3 cache of head dim 128 or less under a bf16 query 128 x 3
-    with fp16 dots (130.7 us, 2.1 TB/s, against 156.1 with the bf16 cache's launch); any other
-    (MLA's wide heads 32 x 2, not measured over e4m3) the bf16 cache's launch. ``q_rope`` is
+    (bf16 keeps 8). ``max_registers`` caps the split kernel's registers per thread, trading spills
+    for programs resident per SM (sm90: 65,536 registers, 128 threads a program). None picks what
+    the H200 measured fastest at the offline throughput's 256 sequences (``scripts/bench_kernels.py
+    --only decode_fp8``, 512 tokens of context): a bf16 cache 64 x 2, registers uncapped (141.7 us,
+    3.8 TB/s; capped at 96 or 80 it took 161); an e4m3 cache of head dim 128 or less under a bf16
+    query 128 x 3 with fp16 dots and ``E4M3_MAX_REGISTERS`` (116.2 us, 2.3 TB/s; 131.3 uncapped,
+    where the compiler took 216 registers: two programs per SM); any other (MLA's wide heads
+    32 x 2, not measured over e4m3) the bf16 cache's launch. ``q_rope`` is
     read in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
     concatenated first."""
     head_dim = k_cache.shape[3]
@@ -202,6 +208,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = 32 if wide else 128 if measured else 64
     if num_stages is None:
         num_stages = 3 if measured else 2
+    if max_registers is None and measured and fp16_dots and (block_n, num_stages) == (128, 3):
+        max_registers = E4M3_MAX_REGISTERS
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode_attention: block_n must be a power of two >= 16, got {block_n}")
     head_blocks = cdiv(group, block_g)
@@ -228,7 +236,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
         RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None,
-        DOT_F16=fp16_dots, num_warps=4, num_stages=num_stages)
+        DOT_F16=fp16_dots, num_warps=4, num_stages=num_stages, maxnreg=max_registers)
     if result == WRITE_PARTS.value:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
