@@ -184,10 +184,24 @@ def test_paged_decode_query_in_two_parts_off_the_main_block(target):
     run_decode(target, 2, 4, 128, 128, False, 16, [5, 40], seed=3, rope_dim=32)
 
 
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("head_dim, splits, fused", [(64, None, None), (128, 3, False), (128, 4, True)])
+def test_paged_decode_in_column_chunks(target, chunks, head_dim, splits, fused):
+    """The Triton launch that splits keys and values into ``chunks`` column blocks (a dot and an
+    accumulator each) equals float64 attention: GQA 4, contexts across blocks and tiles, one split
+    (the output written by the split kernel) and several (parts merged by a second launch or by the
+    last split to arrive)."""
+    if "triton" not in target.module:
+        pytest.skip("chunks is a Triton-backend knob")
+    run_decode(target, 2, 4, head_dim, head_dim, False, 16, [1, 17, 70], seed=chunks + head_dim, chunks=chunks,
+               block_n=16, num_splits=splits, fused_merge=fused)
+
+
 def test_triton_decode_attention_refuses_what_it_cannot_launch():
     """The Triton wrapper's refusals, before any launch (so they run without a GPU): more than
-    65,535 sequences (the grid's y dimension) and fp16 dots over a cache that is not e4m3 (a bf16
-    value past ±65,504 would become inf) are ValueErrors naming the limit."""
+    65,535 sequences (the grid's y dimension), fp16 dots over a cache that is not e4m3 (a bf16
+    value past ±65,504 would become inf) and column chunks where the head is not one power-of-two
+    block for keys and values (MLA's 512 + 64) are ValueErrors naming the limit."""
     pytest.importorskip("triton")
     from engine.kernels.triton.decode_attention import paged_decode_attention
 
@@ -199,3 +213,7 @@ def test_triton_decode_attention_refuses_what_it_cannot_launch():
     with pytest.raises(ValueError, match="fp16_dots needs an e4m3 cache"):
         paged_decode_attention(torch.zeros(2, 1, 16), cache, cache, torch.zeros(2, 1, dtype=torch.int32),
                                torch.ones(2, dtype=torch.int32), 1.0, fp16_dots=True)
+    latent = torch.zeros(1, 16, 1, 576)
+    with pytest.raises(ValueError, match="chunks=4"):
+        paged_decode_attention(torch.zeros(2, 16, 576), latent, None, torch.zeros(2, 1, dtype=torch.int32),
+                               torch.ones(2, dtype=torch.int32), 1.0, v_head_dim=512, chunks=4)

@@ -55,7 +55,8 @@ def test_store_into_an_fp8_cache_saturates_and_rounds(target, with_value):
 
 
 TRITON_KNOBS = [dict(block_n=64, num_stages=2), dict(block_n=16, num_stages=1), dict(fp16_dots=True),
-                dict(fp16_dots=False, block_n=32), dict(block_n=128, num_stages=3, fp16_dots=True, max_registers=128)]
+                dict(fp16_dots=False, block_n=32), dict(block_n=128, num_stages=3, fp16_dots=True, max_registers=128),
+                dict(block_n=128, num_stages=3, fp16_dots=True, chunks=4), dict(fp16_dots=False, chunks=2, block_n=16)]
 
 
 @pytest.mark.parametrize("latent,knobs", [(False, {}), (True, {})] + [(False, k) for k in TRITON_KNOBS]
@@ -67,7 +68,8 @@ def test_paged_decode_reads_an_fp8_cache(target, latent, knobs):
     launches: key tiles (``block_n``, ``num_stages``) of 64 tokens (a bf16 cache's) and 16, one
     cache block per loop step (the default, 128, is wider than every context); dots in fp16
     (``fp16_dots``, the default under a bf16 query) and in the query's dtype; registers capped
-    (``max_registers``: on the GPU a compile that spills)."""
+    (``max_registers``: on the GPU a compile that spills); keys and values in 4 and 2 column
+    chunks (``chunks``)."""
     if knobs and "triton" not in target.module:
         pytest.skip("the launch knobs are the Triton backend's")
     gen = torch.Generator().manual_seed(11 + latent)

@@ -55,13 +55,20 @@ def load_q(q_ptr, row_offsets, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
-def online_softmax_step(scores, allowed, m, denom, acc, v, scale_log2):
-    """Fold one tile of raw ``scores`` (entries outside ``allowed`` ignored) and its values ``v``
-    into the running max ``m``, denominator ``denom`` and output accumulator ``acc`` (base-2 exponent)."""
+def online_softmax_weights(scores, allowed, m, denom, scale_log2):
+    """One tile of raw ``scores`` (entries outside ``allowed`` ignored) folded into the running max
+    ``m`` and denominator ``denom`` (base-2 exponent): (new max, new denominator, the tile's weights
+    ``p``, the factor ``alpha`` that rescales what was accumulated before)."""
     s = tl.where(allowed, scores * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, denom, acc
+    return m_new, denom * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def online_softmax_step(scores, allowed, m, denom, acc, v, scale_log2):
+    """Fold one tile of raw ``scores`` (entries outside ``allowed`` ignored) and its values ``v``
+    into the running max ``m``, denominator ``denom`` and output accumulator ``acc`` (base-2 exponent)."""
+    m_new, denom, p, alpha = online_softmax_weights(scores, allowed, m, denom, scale_log2)
+    return m_new, denom, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)

@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
+from engine.kernels.triton.attention_tiles import (
+    NEG_BIG,
+    head_dim_blocks,
+    load_q,
+    online_softmax_step,
+    online_softmax_weights,
+    scores_tile,
+)
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
@@ -33,9 +40,10 @@ _LOG2E = 1.4426950408889634
 # several splits merged by the last split to arrive (one launch) instead of by a merge launch: off
 # until the H200 measures it faster (scripts/bench_kernels.py times both)
 FUSED_MERGE = False
-# registers per thread of the e4m3 cache's 128 x 3 launch: three 4-warp programs per sm90 SM (65,536 / 3 / 128,
-# rounded down to the allocation unit of 8), a few spills; the compiler's own 216 leave two
-E4M3_MAX_REGISTERS = 168
+# the e4m3 cache's 128 x 3 launch: keys and values in 4 column chunks (110 registers a thread instead of 216),
+# capped at 96 (five 4-warp programs per sm90 SM, 65,536 / 5 / 128 rounded down to the allocation unit of 8;
+# 4 spill instructions; the compiler's own 216 leave two programs per SM)
+E4M3_CHUNKS, E4M3_MAX_REGISTERS = 4, 96
 WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the split kernel's result
 
 
@@ -56,7 +64,7 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K_MAIN: tl.constexpr,
                          RESULT: tl.constexpr, BLOCK_S: tl.constexpr, SEPARATE_ROPE: tl.constexpr,
-                         DOT_F16: tl.constexpr):
+                         DOT_F16: tl.constexpr, CHUNKS: tl.constexpr):
     head_prog = tl.program_id(0)  # grid (head programs, batch, splits): a sequence's KV heads side by side
     seq = tl.program_id(1).to(tl.int64)
     kv_head = head_prog // head_blocks
@@ -78,42 +86,99 @@ def _decode_split_kernel(q_ptr, qr_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part
     split_tokens = _split_tokens(context, num_splits, BLOCK_N)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, context)
-    dv = tl.arange(0, BLOCK_DV)
     m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    # the value channels in CHUNKS column blocks, each its own accumulator (acc1-3 unused below 4 chunks)
+    CHUNK_V: tl.constexpr = BLOCK_DV // CHUNKS
+    acc0 = tl.zeros([BLOCK_G, CHUNK_V], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, CHUNK_V], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, CHUNK_V], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, CHUNK_V], tl.float32)
+    q_rows = q_ptr + seq * q_stride0 + heads * q_stride1
     for tile in range(start, end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
         valid = tokens < end
         blocks = tl.load(tables_ptr + seq * table_stride + tokens // PAGE, mask=valid, other=0).to(tl.int64)
         k_rows = blocks * k_stride0 + (tokens % PAGE) * k_stride1 + kv_head * k_stride2
-        scores, k_main = scores_tile(q_main, q_tail, k_ptr, k_rows, valid, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
-        if V_IS_K_MAIN:
-            v = k_main
-        else:
-            v_rows = blocks * v_stride0 + (tokens % PAGE) * v_stride1 + kv_head * v_stride2
-            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :],
-                        other=0.0).to(q_main.dtype)  # an FP8 cache's values upcast as they load
-        m, denom, acc = online_softmax_step(scores, valid[None, :], m, denom, acc, v, scale_log2)
+        v_rows = blocks * v_stride0 + (tokens % PAGE) * v_stride1 + kv_head * v_stride2
+        if CHUNKS == 1:
+            scores, k_main = scores_tile(q_main, q_tail, k_ptr, k_rows, valid, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+            if V_IS_K_MAIN:
+                v = k_main
+            else:
+                dv = tl.arange(0, BLOCK_DV)
+                v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=valid[:, None] & (dv < V_DIM)[None, :],
+                            other=0.0).to(q_main.dtype)  # an FP8 cache's values upcast as they load
+            m, denom, acc0 = online_softmax_step(scores, valid[None, :], m, denom, acc0, v, scale_log2)
+        else:  # keys and values in column chunks: fewer registers live, more programs per SM
+            scores = _chunked_scores(q_rows, g_mask, k_ptr, k_rows, valid, q_main.dtype, BLOCK_G, BLOCK_N,
+                                     BLOCK_D // CHUNKS, CHUNKS, DOT_F16)
+            m, denom, p, alpha = online_softmax_weights(scores, valid[None, :], m, denom, scale_log2)
+            acc0 = _value_chunk(acc0, p, alpha, v_ptr, v_rows, valid, 0, q_main.dtype, CHUNK_V)
+            acc1 = _value_chunk(acc1, p, alpha, v_ptr, v_rows, valid, CHUNK_V, q_main.dtype, CHUNK_V)
+            if CHUNKS == 4:
+                acc2 = _value_chunk(acc2, p, alpha, v_ptr, v_rows, valid, 2 * CHUNK_V, q_main.dtype, CHUNK_V)
+                acc3 = _value_chunk(acc3, p, alpha, v_ptr, v_rows, valid, 3 * CHUNK_V, q_main.dtype, CHUNK_V)
 
-    part = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # no token (context 0): acc is 0, the row is 0
-    if RESULT == WRITE_OUT:  # the only split: the output itself
-        tl.store(out_ptr + seq * out_stride0 + heads[:, None] * out_stride1 + dv[None, :],
-                 part.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (dv < V_DIM)[None, :])
-    else:
-        # a split past the end of its context writes nothing: the merge reads only the active splits
-        active = g_mask & (start < context)
-        lse = m + tl.log2(tl.where(denom > 0, denom, 1.0))
-        rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
-        tl.store(part_lse_ptr + rows, lse, mask=active)
-        tl.store(part_out_ptr + rows[:, None] * V_DIM + dv[None, :], part,
-                 mask=active[:, None] & (dv < V_DIM)[None, :])
+    denom_safe = tl.where(denom > 0, denom, 1.0)  # no token (context 0): acc is 0, the row is 0
+    active = g_mask & (start < context)  # a split past the end of its context writes nothing
+    rows = (seq * num_heads + heads) * num_splits + split  # flat index into [B, Hq, splits]
+    _store_chunk(acc0, denom_safe, 0, seq, heads, g_mask, active, rows, part_out_ptr, out_ptr, out_stride0,
+                 out_stride1, V_DIM, CHUNK_V, RESULT)
+    if CHUNKS > 1:
+        _store_chunk(acc1, denom_safe, CHUNK_V, seq, heads, g_mask, active, rows, part_out_ptr, out_ptr,
+                     out_stride0, out_stride1, V_DIM, CHUNK_V, RESULT)
+    if CHUNKS == 4:
+        _store_chunk(acc2, denom_safe, 2 * CHUNK_V, seq, heads, g_mask, active, rows, part_out_ptr, out_ptr,
+                     out_stride0, out_stride1, V_DIM, CHUNK_V, RESULT)
+        _store_chunk(acc3, denom_safe, 3 * CHUNK_V, seq, heads, g_mask, active, rows, part_out_ptr, out_ptr,
+                     out_stride0, out_stride1, V_DIM, CHUNK_V, RESULT)
+    if RESULT != WRITE_OUT:
+        tl.store(part_lse_ptr + rows, m + tl.log2(denom_safe), mask=active)
         if RESULT == MERGE_IN_LAST:
             if arrive_last(counters_ptr + seq * tl.num_programs(0) + head_prog, num_splits):
                 first = kv_head * group + (head_prog % head_blocks) * BLOCK_G
                 for head in range(first, first + tl.minimum(BLOCK_G, kv_head * group + group - first)):
                     _merge_splits(part_out_ptr, part_lse_ptr, seq, head, num_heads, context, num_splits,
                                   out_ptr + seq * out_stride0 + head * out_stride1, V_DIM, BLOCK_DV, BLOCK_S, BLOCK_N)
+
+
+@triton.jit
+def _chunked_scores(q_rows, g_mask, k_ptr, k_rows, valid, dot_dtype: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, DOT_F16: tl.constexpr):
+    """``q @ k.T`` for one key tile ([BLOCK_G, BLOCK_N] fp32) as CHUNKS dots over CHUNK-column slices
+    of the query rows (re-read each tile: L1) and the keys (upcast to ``dot_dtype`` as they load)."""
+    d = tl.arange(0, CHUNK)
+    scores = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    for c in tl.static_range(CHUNKS):
+        q = tl.load(q_rows[:, None] + c * CHUNK + d[None, :], mask=g_mask[:, None], other=0.0)
+        if DOT_F16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
+        k = tl.load(k_ptr + k_rows[:, None] + c * CHUNK + d[None, :], mask=valid[:, None], other=0.0)
+        scores += tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)))
+    return scores
+
+
+@triton.jit
+def _value_chunk(acc, p, alpha, v_ptr, v_rows, valid, first, dot_dtype: tl.constexpr, CHUNK: tl.constexpr):
+    """``acc`` (one column chunk of the output, from channel ``first``) rescaled by ``alpha`` plus
+    ``p @ v[:, first:first + CHUNK]`` for the tile's value rows."""
+    d = first + tl.arange(0, CHUNK)
+    v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(dot_dtype)
+    return acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v)
+
+
+@triton.jit
+def _store_chunk(acc, denom, first, seq, heads, g_mask, active, rows, part_out_ptr, out_ptr, out_stride0,
+                 out_stride1, V_DIM: tl.constexpr, CHUNK: tl.constexpr, RESULT: tl.constexpr):
+    """Columns ``first ..`` of the normalised result: the output itself (one split) or the split's part."""
+    d = first + tl.arange(0, CHUNK)
+    part = acc / denom[:, None]
+    if RESULT == WRITE_OUT:
+        tl.store(out_ptr + seq * out_stride0 + heads[:, None] * out_stride1 + d[None, :],
+                 part.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (d < V_DIM)[None, :])
+    else:
+        tl.store(part_out_ptr + rows[:, None] * V_DIM + d[None, :], part, mask=active[:, None] & (d < V_DIM)[None, :])
 
 
 @triton.jit
@@ -164,7 +229,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None,
                            num_splits: int | None = None, fused_merge: bool | None = None,
                            block_n: int | None = None, num_stages: int | None = None,
-                           fp16_dots: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
+                           fp16_dots: bool | None = None, max_registers: int | None = None,
+                           chunks: int | None = None) -> torch.Tensor:
     """See ``engine.kernels.paged_decode_attention``. ``num_splits`` (None = from the shapes and the
     SM count) sets how many slices of each sequence's context run in parallel; ``fused_merge``
     (None = ``FUSED_MERGE``) merges several splits in the split kernel's last program instead
@@ -177,9 +243,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the H200 measured fastest at the offline throughput's 256 sequences (``scripts/bench_kernels.py
     --only decode_fp8``, 512 tokens of context): a bf16 cache 64 x 2, registers uncapped (141.7 us,
     3.8 TB/s; capped at 96 or 80 it took 161); an e4m3 cache of head dim 128 or less under a bf16
-    query 128 x 3 with fp16 dots and ``E4M3_MAX_REGISTERS`` (116.2 us, 2.3 TB/s; 131.3 uncapped,
-    where the compiler took 216 registers: two programs per SM); any other (MLA's wide heads
-    32 x 2, not measured over e4m3) the bf16 cache's launch. ``q_rope`` is
+    query 128 x 3 with fp16 dots in ``E4M3_CHUNKS`` column chunks under ``E4M3_MAX_REGISTERS``
+    (unchunked, 116.2 us capped at 168 registers, 2.3 TB/s; 131.3 uncapped, where the compiler took
+    216 registers: two programs per SM); any other (MLA's wide heads 32 x 2, not measured over
+    e4m3) the bf16 cache's launch. ``chunks`` (1, 2 or 4; None: as above) splits the key and value
+    channels into that many column blocks, a dot and an accumulator each, so fewer registers are
+    live at once (the e4m3 128 x 3 launch: 216 at 1, 110 at 4; sm90 ptxas); only where the head is
+    one power-of-two block of at least 16 channels a chunk for keys and values (not MLA's). ``q_rope`` is
     read in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
     concatenated first."""
     head_dim = k_cache.shape[3]
@@ -208,8 +278,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = 32 if wide else 128 if measured else 64
     if num_stages is None:
         num_stages = 3 if measured else 2
-    if max_registers is None and measured and fp16_dots and (block_n, num_stages) == (128, 3):
+    e4m3_launch = measured and fp16_dots and (block_n, num_stages) == (128, 3)
+    def chunkable(n: int) -> bool:  # n column chunks of >= 16 channels of one power-of-two head, K and V
+        return n in (1, 2, 4) and (n == 1 or (not block_tail and q_rope is None and v_cache is not None
+                                              and v_dim == block_dv and block_d // n >= 16))
+    if chunks is None:
+        chunks = E4M3_CHUNKS if e4m3_launch and chunkable(E4M3_CHUNKS) else 1
+    if max_registers is None and e4m3_launch and chunks == E4M3_CHUNKS:
         max_registers = E4M3_MAX_REGISTERS
+    if not chunkable(chunks):
+        raise ValueError(f"paged_decode_attention: chunks={chunks} needs 1, 2 or 4 column blocks of at least 16 "
+                         "channels of one power-of-two head (keys and values), no separate rope")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode_attention: block_n must be a power of two >= 16, got {block_n}")
     head_blocks = cdiv(group, block_g)
@@ -236,7 +315,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, V_DIM=v_dim, PAGE=page, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, V_IS_K_MAIN=v_cache is None and block_dv == block_d,
         RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None,
-        DOT_F16=fp16_dots, num_warps=4, num_stages=num_stages, maxnreg=max_registers)
+        DOT_F16=fp16_dots, CHUNKS=chunks, num_warps=4, num_stages=num_stages, maxnreg=max_registers)
     if result == WRITE_PARTS.value:
         _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
                                                  out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
