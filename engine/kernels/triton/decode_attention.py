@@ -40,10 +40,10 @@ _LOG2E = 1.4426950408889634
 # several splits merged by the last split to arrive (one launch) instead of by a merge launch: off
 # until the H200 measures it faster (scripts/bench_kernels.py times both)
 FUSED_MERGE = False
-# the e4m3 cache's 128 x 3 launch: keys and values in 4 column chunks (110 registers a thread instead of 216),
-# capped at 96 (five 4-warp programs per sm90 SM, 65,536 / 5 / 128 rounded down to the allocation unit of 8;
-# 4 spill instructions; the compiler's own 216 leave two programs per SM)
-E4M3_CHUNKS, E4M3_MAX_REGISTERS = 4, 96
+# the e4m3 cache's 128 x 3 launch: keys and values in 2 column chunks (149 registers a thread instead of 216),
+# capped at 128: four 4-warp programs per sm90 SM (the compiler's own 216 leave two). On the H200 (256
+# sequences x 512 tokens): 103.4 us; 2 chunks uncapped 110.5, unchunked capped at 168 116.1, 4 chunks 128.3
+E4M3_CHUNKS, E4M3_MAX_REGISTERS = 2, 128
 WRITE_PARTS, WRITE_OUT, MERGE_IN_LAST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the split kernel's result
 
 
@@ -244,11 +244,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     --only decode_fp8``, 512 tokens of context): a bf16 cache 64 x 2, registers uncapped (141.7 us,
     3.8 TB/s; capped at 96 or 80 it took 161); an e4m3 cache of head dim 128 or less under a bf16
     query 128 x 3 with fp16 dots in ``E4M3_CHUNKS`` column chunks under ``E4M3_MAX_REGISTERS``
-    (unchunked, 116.2 us capped at 168 registers, 2.3 TB/s; 131.3 uncapped, where the compiler took
-    216 registers: two programs per SM); any other (MLA's wide heads 32 x 2, not measured over
+    (103.4 us, 2.6 TB/s; unchunked 131.3 uncapped, where the compiler took 216 registers: two
+    programs per SM); any other (MLA's wide heads 32 x 2, not measured over
     e4m3) the bf16 cache's launch. ``chunks`` (1, 2 or 4; None: as above) splits the key and value
     channels into that many column blocks, a dot and an accumulator each, so fewer registers are
-    live at once (the e4m3 128 x 3 launch: 216 at 1, 110 at 4; sm90 ptxas); only where the head is
+    live at once (the e4m3 128 x 3 launch: 216 at 1, 149 at 2, 110 at 4; sm90 ptxas); only where the head is
     one power-of-two block of at least 16 channels a chunk for keys and values (not MLA's). ``q_rope`` is
     read in place when ``q`` fills the head dim's main block exactly (MLA: 512 | 64), else
     concatenated first."""
