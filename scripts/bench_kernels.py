@@ -179,7 +179,8 @@ def bench_decode_fp8(results, copy):
     context, block size 16) over a bf16 and an e4m3 cache: the default launch and every key tile
     (``block_n``, ``num_stages``), over e4m3 with dots in fp16 and in bf16 (``fp16_dots``), as graph
     replays; the reference once per cache. Then the leading launches under a cap on registers per
-    thread (``max_registers``) and with keys and values in column chunks (``chunks``): the e4m3
+    thread (``max_registers``) and with keys and values in column chunks (``chunks``; the rows without
+    a count take the default's, so "default" is what a step runs): the e4m3
     128 x 3 launch holds 216 registers (two programs per SM), 149 in 2 chunks, 110 in 4; bf16's
     64 x 2 106, 75 in 4 (sm90 ptxas, compiled on a CPU)."""
     hq, hk, d, batch, ctx = QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"], 256, 512
@@ -191,24 +192,24 @@ def bench_decode_fp8(results, copy):
         nbytes = 2 * batch * ctx * hk * d * k.element_size()
         reference_us = median_ms(lambda: reference.paged_decode_attention(*args)) * 1e3
         tiles = ((None, None), (64, 2), (128, 2), (64, 3), (128, 3), (128, 4), (256, 2), (32, 4))
-        swept = [(tile, f16, None, 1) for tile, f16 in
+        swept = [(tile, f16, None, None) for tile, f16 in
                  itertools.product(tiles, (None, True, False) if label == "e4m3" else (None,))]
         if label == "bf16":  # (tile, fp16 dots, register cap, column chunks)
             varied = [((64, 2), None, 96, 1), ((64, 2), None, 80, 1), ((64, 2), None, None, 2),
                       ((64, 2), None, None, 4), ((64, 3), None, None, 4), ((128, 2), None, None, 4),
                       ((128, 3), None, None, 4), ((128, 3), None, 96, 4)]
         else:
-            varied = [((128, 3), True, 168, 1), ((128, 3), True, 128, 1), ((64, 3), True, 128, 1),
-                      ((64, 3), True, 96, 1), ((128, 3), True, None, 2), ((128, 3), True, 128, 2),
-                      ((128, 3), True, None, 4), ((128, 3), True, 96, 4), ((128, 4), True, 96, 4),
-                      ((128, 2), True, 96, 4), ((64, 3), True, None, 4), ((64, 3), True, 80, 4),
-                      ((256, 2), True, None, 4)]
+            varied = [((128, 3), True, None, 1), ((128, 3), True, 168, 1), ((128, 3), True, 128, 1),
+                      ((64, 3), True, 128, 1), ((64, 3), True, 96, 1), ((128, 3), True, None, 2),
+                      ((128, 3), True, 128, 2), ((128, 4), True, 128, 2), ((128, 2), True, 128, 2),
+                      ((64, 3), True, 96, 2), ((128, 3), True, None, 4), ((128, 3), True, 96, 4),
+                      ((64, 3), True, 80, 4)]
         for (block_n, stages), f16, cap, chunks in swept + varied:
             knobs = dict(block_n=block_n, num_stages=stages, fp16_dots=f16, max_registers=cap, chunks=chunks)
             ms = graph_ms(lambda: ours.paged_decode_attention(*args, **knobs))
             tile = "default" if block_n is None else f"{block_n}x{stages}"
             dots = ({None: "", True: " f16 dots", False: " bf16 dots"}[f16] + (f" {cap} regs" if cap else "")
-                    + (f" {chunks} chunks" if chunks > 1 else ""))
+                    + (f" {chunks} chunk(s)" if chunks else ""))
             results.append(dict(op=f"paged_decode {label} cache", model="qwen3-8b",
                                 shape=f"B={batch} ctx={ctx} tile={tile}{dots}", ours_us=ms * 1e3, timing="graph",
                                 torch_eager_us=reference_us, gbps=nbytes / ms / 1e6,
