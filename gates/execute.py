@@ -33,6 +33,7 @@ COUNT_KEY = {"passed": "passed", "failed": "failed", "skipped": "skipped", "erro
 SEVERITY = {"skipped": 0, "passed": 1, "failed": 2, "error": 3}
 OUTPUT_TAIL_CHARS = 4000
 PYTEST_NO_TESTS = 5
+STATUS_LOST = 255  # multiprocessing's exit code for a forked process whose status its forkserver could not report
 FAILING = ("failed", "error")  # the outcomes that fail a run
 
 
@@ -182,12 +183,14 @@ def execute(run: Run, nproc: int, root: Path, threads: int | None = None) -> Run
         base = {**_child_env(tmp, threads), **session_variables(root)}
         args = ("-p", "gates.pytest_plugin", "-p", "no:cacheprovider", "--rootdir", str(root), "-q", "-rfE")
         if run.mode == "single":
-            sessions = [Session((*args, "-m", "not torchrun", *run.tests), base, Path(tmp, "session.log"), threads)]
+            sessions = [Session((*args, "-m", "not torchrun", *run.tests), base, Path(tmp, "session.log"), threads,
+                                Path(tmp, "rank0.json"))]
             at_once, fail_fast = 1, False
         else:
             store, ranks = rank_environments(nproc)
             sessions = [Session((*args, "-m", "torchrun", *run.tests), {**base, **rank},
-                                Path(tmp, f"rank{r}.log"), threads or 1) for r, rank in enumerate(ranks)]
+                                Path(tmp, f"rank{r}.log"), threads or 1, Path(tmp, f"rank{r}.json"))
+                        for r, rank in enumerate(ranks)]
             at_once, fail_fast = nproc, True
         start = time.monotonic()
         codes, result.reason = _supervise(root, sessions, at_once, run.timeout_s, fail_fast)
@@ -265,6 +268,20 @@ def _single_code(codes: list[int | None]) -> int:
     return PYTEST_NO_TESTS if codes and all(c == PYTEST_NO_TESTS for c in codes) else 0
 
 
+def _exit_code(code: int | None, session: Session) -> int | None:
+    """The exit code of ``session``: its process's, or, where multiprocessing lost that
+    (``STATUS_LOST``: the forkserver that forked it died or could not report it), the exit status
+    the session recorded with its results at its end, when it did (said on stderr). A session
+    that crashed or was killed wrote no results, or its code is a signal's (negative)."""
+    if code != STATUS_LOST or session.results is None or not session.results.exists():
+        return code
+    recorded = json.loads(session.results.read_text())["exitstatus"]
+    print(f"gates: the exit status of pytest {shlex.join(session.args)} was lost (multiprocessing reported "
+          f"{STATUS_LOST}: its forkserver could not tell it); the session recorded {recorded} at its end",
+          file=sys.stderr)
+    return recorded
+
+
 def _supervise(root: Path, sessions: list[Session], at_once: int, timeout_s: float,
                fail_fast: bool) -> tuple[list[int | None], str]:
     """Run ``sessions`` in order, at most ``at_once`` at a time, until all have exited; with
@@ -289,7 +306,7 @@ def _supervise(root: Path, sessions: list[Session], at_once: int, timeout_s: flo
             for sentinel in ready:
                 i, process = running.pop(sentinel)
                 process.join()
-                codes[i] = process.exitcode
+                codes[i] = _exit_code(process.exitcode, sessions[i])
                 with _running_lock:
                     _running.discard(process.pid)
                 if fail_fast and codes[i] != 0:

@@ -50,12 +50,13 @@ _context_lock = threading.Lock()   # runs start sessions from the runner's threa
 @dataclass(frozen=True)
 class Session:
     """One pytest session: its command-line arguments (after ``pytest``), its whole environment,
-    the file its stdout and stderr go to, and the OpenMP threads torch may use (None: as the server
-    was started)."""
+    the file its stdout and stderr go to, the OpenMP threads torch may use (None: as the server
+    was started) and the file its results go to at its end (``gates.pytest_plugin``; None: none)."""
     args: tuple[str, ...]
     env: dict[str, str]
     log: Path
     threads: int | None = None
+    results: Path | None = None
 
 
 def gates_config(root: Path) -> dict:

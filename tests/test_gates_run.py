@@ -69,6 +69,16 @@ def test_sleeps_past_the_timeout():
 """
 
 
+KILLS_ITS_FORKSERVER = """
+import os
+import signal
+
+
+def test_kills_the_server_it_was_forked_from():
+    os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+
 def fm(fid: str, test: str) -> dict:
     return {"id": fid, "symptom": f"symptom of {fid}", "check": f"check of {fid}",
             "fix": f"fix of {fid}", "tests": [test]}
@@ -312,3 +322,17 @@ def test_misspelled_test_id_or_collection_error_fails_even_with_skip_empty(tmp_p
     assert code == 1
     assert phases["01"]["status"] == "FAIL" and "exit code 4" in phases["01"]["reason"] + str(phases["01"]["runs"])
     assert phases["02"]["status"] == "FAIL"
+
+
+def test_a_session_whose_forkserver_dies_keeps_the_exit_status_it_recorded(tmp_path, capfd):
+    """The server that forks the sessions dies while one runs (multiprocessing then reports 255 for
+    it, as a clean clone's ``make gates`` once did for a phase whose every test passed): the run
+    takes the exit status the session recorded with its results, passes, and says so on stderr; the
+    next phase's session is forked by a new server."""
+    write_phase(tmp_path, "01", gate("01"), {"test_kill.py": KILLS_ITS_FORKSERVER})
+    write_phase(tmp_path, "02", gate("02", ["01"]), passing_test("02"))
+    code, out, report = run_cli(tmp_path)
+    phases = by_id(report)
+    assert code == 0 and phases["01"]["status"] == "PASS" and phases["02"]["status"] == "PASS", out
+    assert "was lost (multiprocessing reported 255" in capfd.readouterr().err
+
