@@ -36,12 +36,14 @@ import multiprocessing.forkserver
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
 
 LOOPBACK = "127.0.0.1"
+SERVER_RESTART_S = 10.0   # how long a start waits for a dead server to be replaced
 
 _context: multiprocessing.context.BaseContext | None = None
 _context_lock = threading.Lock()   # runs start sessions from the runner's threads
@@ -103,10 +105,20 @@ def _server(root: Path) -> multiprocessing.context.BaseContext:
 
 def start(root: Path, session: Session) -> multiprocessing.Process:
     """Fork ``session`` from the server and return its process (started; in a process group of its
-    own whose id is its pid, working directory ``root``); it exits with pytest's exit code."""
-    process = _server(root).Process(target=_run_session, args=(str(root), session), daemon=False)
-    process.start()
-    return process
+    own whose id is its pid, working directory ``root``); it exits with pytest's exit code. A
+    server that has died (multiprocessing starts a new one once the old one has exited) may have
+    closed its socket a moment before it exits: the start is tried again until a new server forks
+    the session, for at most ``SERVER_RESTART_S``."""
+    deadline = time.monotonic() + SERVER_RESTART_S
+    while True:
+        process = _server(root).Process(target=_run_session, args=(str(root), session), daemon=False)
+        try:
+            process.start()
+            return process
+        except (ConnectionRefusedError, FileNotFoundError, EOFError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _run_session(root: str, session: Session) -> None:

@@ -336,3 +336,23 @@ def test_a_session_whose_forkserver_dies_keeps_the_exit_status_it_recorded(tmp_p
     assert code == 0 and phases["01"]["status"] == "PASS" and phases["02"]["status"] == "PASS", out
     assert "was lost (multiprocessing reported 255" in capfd.readouterr().err
 
+
+def test_a_start_refused_by_a_dying_server_is_tried_again(tmp_path, monkeypatch):
+    """A server that has just died closes its socket before it exits, and multiprocessing starts a
+    new one only once it has exited: the first connection is refused (a clean clone's CI met this
+    right after the test above). The start is tried again and the session runs."""
+    from multiprocessing import forkserver
+
+    connect, refused = forkserver.connect_to_new_process, []
+
+    def refuse_once(fds):
+        if not refused:
+            refused.append(True)
+            raise ConnectionRefusedError(111, "Connection refused")
+        return connect(fds)
+
+    monkeypatch.setattr(forkserver, "connect_to_new_process", refuse_once)
+    write_phase(tmp_path, "01", gate("01"), passing_test("01"))
+    code, out, report = run_cli(tmp_path)
+    assert code == 0 and by_id(report)["01"]["status"] == "PASS" and refused == [True], out
+
