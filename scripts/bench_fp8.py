@@ -52,9 +52,7 @@ from engine.kernels.triton.fp8 import (  # noqa: E402
     GemmConfig,
     _batch_runs,
     _block_sizes,
-    _cublas_or_gemm,
     _decode_runs,
-    batch_plan,
     decode_plan,
 )
 from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
@@ -123,13 +121,9 @@ def bench_gemv(preset: dict, row_counts: list[int], sweep: bool) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "m": m, "copies": copies,
                    "bf16_us": step_like_us([lambda w=w: F.linear(x, w) for w in weights])}
-            if m <= MAX_ROWS:
-                chosen, runs = decode_plan(x, *quantized[0], None), _decode_runs(x, *quantized[0], None)
-            elif m <= fp8_mma_gemv.MAX_ROWS:
-                chosen, runs = batch_plan(x, *quantized[0], None), _batch_runs(x, *quantized[0], None)
-            else:  # past batch_plan's rows: the plan's one launch
-                chosen = _cublas_or_gemm(x, *quantized[0])
-                runs = [chosen]
+            chosen = triton_fp8.plan(x, *quantized[0], None)
+            runs = (_decode_runs(x, *quantized[0], None) if m <= MAX_ROWS else _batch_runs(x, *quantized[0], None)
+                    if m <= fp8_mma_gemv.MAX_ROWS else [chosen])  # past batch_plan's rows: the plan's one launch
             row["plan"] = name_of(chosen)
             times = {}
             for config in [*runs, *(SWEEP if sweep and m > MAX_ROWS else [])]:
