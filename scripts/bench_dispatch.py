@@ -3,12 +3,12 @@
     python scripts/bench_dispatch.py [--calls 2000] [--json out.json]
 
 ``ours_us``: host µs per call of each op through ``engine.kernels`` (the interface's checks, the
-Triton backend's wrapper: strides, blocks, grid, output allocation) with Triton's launch
-replaced by a stub, so the time is the Python we own. Runs anywhere (CPU tensors, the Triton
+Triton backend's wrapper: strides, blocks, grid, output allocation, the cached launcher's key)
+with Triton's launch replaced by a stub, so the time is the Python we own. Runs anywhere (CPU tensors, the Triton
 backend forced; no kernel runs).
 
-On CUDA also, per op: ``full_us``, the real call (our wrapper + Triton's ``JITFunction.run``: binding
-and specialising the arguments, the cache lookup, the launch); ``jit_us``, Triton's launch alone
+On CUDA also, per op: ``full_us``, the real call (our wrapper, then the compiled kernel's launcher
+through ``engine.kernels.triton.launcher``); ``jit_us``, Triton's launch alone
 (``kernel[grid](*args)`` with the arguments of the last call); ``cached_us``, the same launch
 through the compiled kernel's own launcher (``CompiledKernel.run`` with the stream and the
 packed metadata kept from a first call): what a cached launcher (no per-call specialisation)
@@ -88,6 +88,8 @@ def launches(calls: int) -> dict:
     """On CUDA, per op: the whole call, Triton's JIT launch, and the compiled kernel's launcher."""
     import triton
 
+    from engine.kernels.triton import launcher
+
     results = {}
     captured = []
     real_run = triton.runtime.jit.JITFunction.run
@@ -100,6 +102,7 @@ def launches(calls: int) -> dict:
     for name, fn in decode_calls("cuda", torch.bfloat16).items():
         full = per_call_us(fn, calls, True)
         captured.clear()
+        launcher._compiled.clear()  # the next call goes through Triton's JITFunction.run, recorded
         triton.runtime.jit.JITFunction.run = record
         try:
             fn()

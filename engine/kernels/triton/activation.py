@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.host_math import cdiv
+from engine.kernels.triton.launcher import launch_kernel
 
 _BLOCK = 1024
 
@@ -26,4 +27,5 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     if x.stride(-1) != 1 or y.stride(-1) != 1:
         raise ValueError("silu_and_mul: input and out need a contiguous last dim")
     half = y.shape[1]
-    _silu_and_mul_kernel[(x.shape[0], cdiv(half, _BLOCK))](x, y, half, x.stride(0), y.stride(0), BLOCK=_BLOCK)
+    launch_kernel(_silu_and_mul_kernel, (x.shape[0], cdiv(half, _BLOCK)), x, y, half, x.stride(0), y.stride(0),
+                  BLOCK=_BLOCK)

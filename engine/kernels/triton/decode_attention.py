@@ -34,6 +34,7 @@ from engine.kernels.triton.attention_tiles import (
     scores_tile,
 )
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 _LOG2E = 1.4426950408889634
@@ -307,7 +308,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     counters = zeroed_counters(q.device, programs) if result == MERGE_IN_LAST.value else context_lens
     block_s = max(1, min(next_power_of_2(num_splits), 4096 // block_dv))
     rope = q if q_rope is None else q_rope
-    _decode_split_kernel[(num_kv_heads * head_blocks, batch, num_splits)](
+    launch_kernel(_decode_split_kernel, (num_kv_heads * head_blocks, batch, num_splits),
         q, rope, k_cache, values, block_tables, context_lens, part_out, part_lse, out, counters,
         softmax_scale * _LOG2E, num_heads, group, head_blocks, q.stride(0), q.stride(1), rope.stride(0), rope.stride(1),
         *k_cache.stride()[:3],
@@ -317,7 +318,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         RESULT=result, BLOCK_S=block_s, SEPARATE_ROPE=q_rope is not None,
         DOT_F16=fp16_dots, CHUNKS=chunks, num_warps=4, num_stages=num_stages, maxnreg=max_registers)
     if result == WRITE_PARTS.value:
-        _decode_merge_kernel[(batch, num_heads)](part_out, part_lse, context_lens, out, num_splits, out.stride(0),
-                                                 out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s,
-                                                 BLOCK_N=block_n)
+        launch_kernel(_decode_merge_kernel, (batch, num_heads), part_out, part_lse, context_lens, out, num_splits,
+                      out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=block_s, BLOCK_N=block_n)
     return out

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.host_math import cdiv
+from engine.kernels.triton.launcher import launch_kernel
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ids = expert_ids.contiguous()
     out = torch.empty(tokens, experts_per_row, n_out, dtype=x.dtype, device=x.device)
     block_n, block_k = 32, 256
-    _expert_gemv_kernel[(tokens * experts_per_row, cdiv(n_out, block_n))](
+    launch_kernel(_expert_gemv_kernel, (tokens * experts_per_row, cdiv(n_out, block_n)),
         x, weights, ids, out, n_out, k_dim, experts_per_row, x.stride(0), weights.stride(0), weights.stride(1),
         out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

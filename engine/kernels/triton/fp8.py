@@ -48,6 +48,7 @@ from engine.kernels.fp8 import FP8_DTYPE, GROUP, weight_block_rows
 from engine.kernels.triton import fp8_gemv, fp8_mma_gemv
 from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
+from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import zeroed_counters
 
 GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: measured up to 128 rows, scaled_mm beyond on sm90; "triton" or
@@ -75,7 +76,7 @@ def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(m, triton.cdiv(k, GROUP), dtype=torch.float32, device=x.device)
     block_rows = 16
-    _quantize_kernel[(triton.cdiv(m, block_rows), scales.shape[1])](
+    launch_kernel(_quantize_kernel, (triton.cdiv(m, block_rows), scales.shape[1]),
         x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0), BLOCK_ROWS=block_rows, BLOCK_K=GROUP)
     return q, scales
 
@@ -234,7 +235,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, m, tiles, config, rows=None, tile
     if config.split_k > 1:
         part = torch.empty(config.split_k, m, n, dtype=torch.float32, device=out.device)
         counters = zeroed_counters(out.device, tiles * blocks)
-    _fp8_gemm_kernel[(tiles, blocks, config.split_k)](
+    launch_kernel(_fp8_gemm_kernel, (tiles, blocks, config.split_k),
         a, a_scale if a_scale is not None else a, w, w_scale, bias if bias is not None else out, out, part, counters,
         rows if rows is not None else out, tile_expert if tile_expert is not None else out,
         m, n, w.shape[2], experts_per_row, w.shape[0], a.stride(0),

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from engine.kernels.fp8 import GROUP, weight_block_rows
 from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
+from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import zeroed_counters
 
 MAX_ROWS = 8  # beyond, x's rows times the weight tile outgrow the tensor cores of the GEMM
@@ -134,7 +135,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     part = out  # unused unless split: any pointer serves
     if split_k > 1:
         part = torch.empty(split_k, block_m, n, dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(blocks, split_k, 1)](
+    launch_kernel(_fp8_gemv_kernel, (blocks, split_k, 1),
         x, weight, weight_scale, bias if bias is not None else out, out, part, zeroed_counters(x.device, blocks),
         out, rows, n, k, 1, x.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0),
         out.stride(0), SCALE_BLOCK_N=weight_block_rows(weight, weight_scale), HAS_BIAS=bias is not None,
@@ -151,7 +152,7 @@ def expert_launch(x: torch.Tensor, weights: torch.Tensor, weight_scales: torch.T
     n = weights.shape[1]
     out = torch.empty(tokens, per_token, n, dtype=x.dtype, device=x.device)
     config = EXPERT_CONFIG
-    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), 1, tokens * per_token)](
+    launch_kernel(_fp8_gemv_kernel, (triton.cdiv(n, config.block_n), 1, tokens * per_token),
         x, weights, weight_scales, out, out, out, out, expert_ids.contiguous(), 1, n, weights.shape[2], per_token,
         x.stride(0), weights.stride(0), weights.stride(1), weight_scales.stride(0), weight_scales.stride(1),
         out.stride(1), SCALE_BLOCK_N=weight_block_rows(weights, weight_scales), HAS_BIAS=False, GATHER=True,

@@ -37,6 +37,7 @@ from engine.kernels.fp8 import GROUP, weight_block_rows
 from engine.kernels.triton import fp8_gemv
 from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import zeroed_counters
 
 QUANTIZE_MAX_ROWS = fp8_gemv.MAX_ROWS  # up to this many rows the kernel quantizes them itself
@@ -138,7 +139,7 @@ def launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, 
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
         part = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
-    _fp8_mma_gemv_kernel[(blocks, config.split_k)](
+    launch_kernel(_fp8_mma_gemv_kernel, (blocks, config.split_k),
         x, x if x_scale is None else x_scale, weight, weight_scale, bias if bias is not None else out, out, part,
         zeroed_counters(x.device, blocks), rows, n, k, x.stride(0),
         0 if x_scale is None else x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),

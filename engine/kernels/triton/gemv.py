@@ -30,6 +30,7 @@ import triton.language as tl
 
 from engine.kernels import reference
 from engine.kernels.triton.host_math import cdiv
+from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import arrive_last, zeroed_counters
 
 MAX_ROWS = 16
@@ -123,7 +124,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     part = out  # unused unless split: any pointer serves
     if config.split_k > 1:
         part = torch.empty(config.split_k, block_m, n_out, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(blocks, config.split_k)](
+    launch_kernel(_gemv_kernel, (blocks, config.split_k),
         x, weight, bias if bias is not None else weight, out, part, zeroed_counters(x.device, blocks),
         rows, n_out, k_dim, x.stride(0), weight.stride(0), out.stride(0),
         SILU_MUL=activation == "silu_mul", HAS_BIAS=bias is not None, DOT_FP32=dtype == torch.float32,

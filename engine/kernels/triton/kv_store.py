@@ -9,6 +9,7 @@ import triton.language as tl
 from engine.kernels import FP8_DTYPE
 from engine.kernels.triton.fp8_cast import saturate_to_fp8
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 
 _ELEMENTS_PER_PROGRAM = 4096
 
@@ -60,7 +61,7 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch
     num_tokens, num_heads, head_dim = k.shape
     block_d, block_dv = next_power_of_2(head_dim), next_power_of_2(v.shape[2])
     rows = max(1, _ELEMENTS_PER_PROGRAM // max(block_d, block_dv))
-    _store_kernel[(cdiv(num_tokens, rows), num_heads)](
+    launch_kernel(_store_kernel, (cdiv(num_tokens, rows), num_heads),
         k, v, k_cache, v_cache if value is not None else k_cache, slot_mapping, num_tokens, num_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEAD_DIM=head_dim, V_DIM=v.shape[2], ROWS=rows, BLOCK_D=block_d, BLOCK_DV=block_dv,

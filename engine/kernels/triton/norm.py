@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 
 _ELEMENTS_PER_PROGRAM = 4096
 
@@ -48,7 +49,7 @@ def _launch(x, residual, out, weight, eps):
     block_rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
     num_rows, inner_rows = x.numel() // hidden, x.shape[1] if x.dim() == 3 else 1
     residual_strides = _row_strides(residual, "residual") if residual is not None else (0, 0)
-    _rms_norm_kernel[(cdiv(num_rows, block_rows),)](
+    launch_kernel(_rms_norm_kernel, (cdiv(num_rows, block_rows),),
         x, residual if residual is not None else x, out, weight, num_rows, inner_rows, hidden, eps,
         *_row_strides(x, "input"), *residual_strides, *_row_strides(out, "out"),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,

@@ -16,6 +16,7 @@ import triton.language as tl
 from engine.kernels import FP8_DTYPE
 from engine.kernels.triton.fp8_cast import saturate_to_fp8
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     block_heads = min(16, next_power_of_2(max(num_q_heads, num_kv_heads)))
     q_head_blocks = cdiv(num_q_heads, block_heads)
     has_norm = q_weight is not None
-    _qk_norm_rope_store_kernel[(tokens, q_head_blocks + cdiv(num_kv_heads, block_heads))](
+    launch_kernel(_qk_norm_rope_store_kernel, (tokens, q_head_blocks + cdiv(num_kv_heads, block_heads)),
         positions, q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos_sin_cache, k_cache, v_cache,
         slot_mapping, eps, num_q_heads, num_kv_heads, q_head_blocks, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 
 
 @triton.jit
@@ -80,7 +81,6 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     block_heads = min(16, next_power_of_2(max(q.shape[1], k.shape[1])))
     q_head_blocks = cdiv(q.shape[1], block_heads)
     grid = (q.shape[0], q_head_blocks + cdiv(k.shape[1], block_heads))
-    _rotary_kernel[grid](positions, q, k, cos_sin_cache, q.shape[1], k.shape[1], q_head_blocks,
-                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-                         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HEADS=block_heads,
-                         IS_NEOX=is_neox)
+    launch_kernel(_rotary_kernel, grid, positions, q, k, cos_sin_cache, q.shape[1], k.shape[1], q_head_blocks,
+                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+                  HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HEADS=block_heads, IS_NEOX=is_neox)
