@@ -1,6 +1,7 @@
 """Benchmark the engine.kernels ops on CUDA against copy bandwidth and torch eager.
 
-    python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode decode_fp8 gemv prefill]
+    python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode decode_fp8 gemv prefill
+                                                         prefill_sweep]
 
 Shapes are Qwen3-8B (hidden 4096, 32 q / 8 kv heads, d 128, intermediate 12288)
 and DeepSeek-V2-Lite (hidden 2048, 16 heads, kv_lora_rank 512, rope 64, v 128)
@@ -12,8 +13,9 @@ timing measures data left in L2. Our kernels are timed as CUDA-graph replays
 (their own time, as graph-captured decode runs them) and eagerly (with
 Python's launch cost); torch's reference eagerly. Memory-bound ops report GB/s
 (bytes read + written once) and the share of a device-to-device copy measured
-in the same run; prefill attention (eager) reports TFLOP/s against torch's own
-varlen_attn.
+in the same run; prefill attention (eager) reports TFLOP/s, the Triton kernel's beside the op's
+(which sends one causal sequence to cuDNN); ``prefill_sweep`` times the Triton kernel's launch
+shapes beside torch's dense SDPA backends.
 """
 from __future__ import annotations
 
@@ -242,9 +244,7 @@ def bench_gemv(results, copy):
 
 
 def bench_prefill(results):
-    from torch.nn.attention.varlen import varlen_attn
-
-    from engine.kernels.triton.prefill_attention import _torch_varlen_parameters, flash_varlen_attention
+    from engine.kernels.triton.prefill_attention import flash_varlen_attention
 
     tokens = 4096
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
@@ -253,36 +253,88 @@ def bench_prefill(results):
         q, k, v = rand(tokens, hq, d), rand(tokens, hk, d), rand(tokens, hk, dv)
         args = (q, k, v, cu, cu, tokens, tokens, d ** -0.5, True)
         flops = 2 * hq * tokens * tokens * (d + dv) / 2  # causal: half the score matrix
-        baseline = {}
-        if d == dv:
-            params = _torch_varlen_parameters()
-            causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-            gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
-            kk, vv = (k, v) if gqa else (k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1))
-            torch_ms = median_ms(lambda: varlen_attn(q, kk, vv, cu, cu, tokens, tokens, scale=d ** -0.5,
-                                                     **causal, **gqa))
-            triton_ms = median_ms(lambda: flash_varlen_attention(*args))
-            baseline = {"torch_varlen_tflops": flops / torch_ms / 1e9, "triton_kernel_tflops": flops / triton_ms / 1e9}
+        baseline = {"triton_kernel_tflops": flops / median_ms(lambda: flash_varlen_attention(*args)) / 1e9}
         row(results, "varlen_prefill", model, f"T={tokens} {hq}q/{hk}kv d={d}/{dv} causal",
             lambda: ours.varlen_attention(*args), lambda: reference.varlen_attention(*args),
             flops=flops, baseline=baseline, graph=False)
 
 
+def sdpa_peers(q, k, v, scale) -> dict:
+    """ms of torch's dense SDPA on one causal sequence per backend that runs it (GQA through
+    ``enable_gqa``, else K/V expanded outside the timing): the peers of the Triton prefill kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qd, kd, vd = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    ke, ve = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    peers = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for name, kk, vv, gqa in ((f"{backend.name.lower()}_gqa", kd, vd, True), (backend.name.lower(), ke, ve, False)):
+            def call(kk=kk, vv=vv, gqa=gqa):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, is_causal=True, scale=scale,
+                                                                            enable_gqa=gqa)
+            try:
+                call()
+                peers[name] = median_ms(call)
+            except RuntimeError as error:
+                peers[name] = f"refused: {str(error).splitlines()[0][:120]}"
+    return peers
+
+
+def bench_prefill_sweep(results):
+    """The Triton prefill kernel at every launch shape of a grid (Qwen3-8B, one causal 4,096-token
+    sequence) beside torch's dense SDPA backends on the same inputs: TFLOP/s each."""
+    from engine.kernels.triton.prefill_attention import PrefillLaunch, default_launch, flash_varlen_attention
+
+    tokens, hq, hk, d = 4096, QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"]
+    q, k, v = rand(tokens, hq, d), rand(tokens, hk, d), rand(tokens, hk, d)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    flops = 2 * hq * tokens * tokens * 2 * d / 2
+    launches = [PrefillLaunch(bm, bn, w, st) for bm, w in ((64, 4), (128, 4), (128, 8)) for bn in (32, 64, 128)
+                for st in (2, 3, 4)]
+    default = default_launch(d, d, q.element_size())
+    sweep = []
+    for launch in launches:
+        try:
+            ms = median_ms(lambda launch=launch: flash_varlen_attention(q, k, v, cu, cu, tokens, tokens, d ** -0.5,
+                                                                         True, launch=launch))
+        except Exception as error:  # out of shared memory or registers at this shape
+            sweep.append({"launch": list(vars(launch).values()), "refused": str(error).splitlines()[0][:120]})
+            continue
+        sweep.append({"launch": list(vars(launch).values()), "ms": ms, "tflops": flops / ms / 1e9,
+                      "default": launch == default})
+    peers = {name: (flops / ms / 1e9 if isinstance(ms, float) else ms)
+             for name, ms in sdpa_peers(q, k, v, d ** -0.5).items()}
+    timed = [entry for entry in sweep if "ms" in entry]
+    best = min(timed, key=lambda entry: entry["ms"])
+    results.append(dict(op="prefill_sweep", model="qwen3-8b", shape=f"T={tokens} {hq}q/{hk}kv d={d} causal",
+                        ours_us=best["ms"] * 1e3, ours_eager_us=best["ms"] * 1e3, torch_eager_us=float("nan"),
+                        tflops=best["tflops"], best_config=best["launch"], sweep=sweep, sdpa_tflops=peers))
+    for entry in sorted(timed, key=lambda entry: entry["ms"]):
+        print(f"prefill launch {entry['launch']}: {entry['ms'] * 1e3:8.1f} us {entry['tflops']:6.1f} TFLOP/s"
+              f"{'  (default)' if entry['default'] else ''}", file=sys.stderr)
+    for name, value in peers.items():
+        print(f"sdpa {name}: {value if isinstance(value, str) else f'{value:6.1f} TFLOP/s'}", file=sys.stderr)
+
+
 SECTIONS = {"elementwise": bench_elementwise, "rotary": bench_rotary_and_store, "decode": bench_decode,
-            "decode_fp8": bench_decode_fp8, "gemv": bench_gemv, "prefill": lambda results, copy: bench_prefill(results)}
+            "decode_fp8": bench_decode_fp8, "gemv": bench_gemv, "prefill": lambda results, copy: bench_prefill(results),
+            "prefill_sweep": lambda results, copy: bench_prefill_sweep(results)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the full results here")
-    parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), help="run only these sections")
+    parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS),
+                        help="run only these sections (prefill_sweep runs only when named)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     copy = copy_gbps()
     results: list[dict] = []
-    for name in opts.only or SECTIONS:
+    for name in opts.only or [name for name in SECTIONS if name != "prefill_sweep"]:
         SECTIONS[name](results, copy)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": copy,
               "results": results}
@@ -294,7 +346,7 @@ def main() -> None:
           f"{'eager us':>8} {'torch us':>9}  extra")
     for r in results:
         extra = {k: v if isinstance(v, list) else round(v, 1) for k, v in r.items()
-                 if k in ("sdpa_contiguous_us", "torch_varlen_tflops", "triton_kernel_tflops", "cublas_us",
+                 if k in ("sdpa_contiguous_us", "triton_kernel_tflops", "cublas_us",
                           "cublas_gbps", "best_config")}
         print(f"{r['op']:22} {r['model']:9} {r['shape']:44} {r['ours_us']:8.1f} {r.get('gbps', float('nan')):6.0f} "
               f"{r.get('pct_copy', float('nan')):6.1f} {r.get('tflops', float('nan')):7.1f} "

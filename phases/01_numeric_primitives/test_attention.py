@@ -5,6 +5,8 @@ Outputs are allocated inside the ops, so the calls run with poisoned allocations
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -80,10 +82,58 @@ def test_varlen_attention_matches_float64(target):
 
 @pytest.mark.cuda
 def test_cuda_triton_varlen_kernel_matches_float64():
-    """The Triton varlen kernel itself in bf16 (on CUDA the op prefers torch's varlen_attn where it fits)."""
+    """The Triton varlen kernel itself in bf16 (on CUDA the op sends one causal sequence to cuDNN)."""
     from engine.kernels.triton.prefill_attention import flash_varlen_attention
 
     run_varlen(next(p.values[0] for p in TARGETS if p.id == "triton-cuda"), flash_varlen_attention)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (32, 16), (16, 32), (128, 64), (128, 128)])
+def test_varlen_kernel_launch_shapes(target, shape):
+    """The Triton prefill kernel at each launch shape it may take: key tiles wholly visible to a query
+    block skip the mask, the diagonal ones keep it, query blocks run from the last (the interpreter
+    takes the small tiles on longer sequences than its usual draw, so every block kind is met)."""
+    if target.module != "engine.kernels.triton":
+        pytest.skip("the Triton kernel's own launch shapes")
+    from engine.kernels.triton.prefill_attention import PrefillLaunch, flash_varlen_attention
+
+    block_m, block_n = shape
+    if target.device == "cpu" and block_m > 32:
+        pytest.skip("large tiles run on the GPU (the interpreter is one program at a time)")
+    def attention(q, *args):
+        # three stages of 128 x 128 tiles fit shared memory only for heads up to 128 wide
+        stages = 3 if q.shape[2] <= 128 or block_m * block_n < 128 * 128 else 2
+        launch = PrefillLaunch(block_m, block_n, num_warps=8 if block_m == 128 else 4, num_stages=stages)
+        return flash_varlen_attention(q, *args, launch=launch)
+
+    run_varlen(dataclasses.replace(target, max_tokens=max(target.max_tokens, 80)), attention)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, padded, kv_heads, head_dim", [(300, 0, 8, 128), (1000, 24, 2, 64), (77, 3, 4, 128)])
+def test_one_causal_sequence_through_cudnn(tokens, padded, kv_heads, head_dim):
+    """One causal prompt without a cached prefix goes to cuDNN's dense attention: its rows match float64
+    attention, also when the step's rows carry padding after the sequence (which it must not see)."""
+    from engine.kernels.triton import prefill_attention
+
+    target = next(p.values[0] for p in TARGETS if p.id == "triton-cuda")
+    assert prefill_attention._cudnn_attention_runs(torch.device("cuda")), "cuDNN attention does not run here"
+    gen = torch.Generator().manual_seed(tokens)
+    rows = tokens + padded
+    q = rand(gen, rows, 32, head_dim, target=target)
+    k, v = (rand(gen, rows, kv_heads, head_dim, target=target) for _ in range(2))
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    assert prefill_attention._one_causal_sequence(q, k, v, cu, True)
+    two = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device="cuda")
+    refused = {"not causal": (q, k, v, cu, False), "two sequences": (q, k, v, two, True),
+               "a cached prefix": (q[1:], k, v, cu, True), "float32": (q.float(), k.float(), v.float(), cu, True),
+               "q/k 192 wide, v 128": (torch.cat([q, q[..., :64]], -1), torch.cat([k, k[..., :64]], -1), v, cu, True)}
+    for case, args in refused.items():
+        assert not prefill_attention._one_causal_sequence(*args), case
+    out = prefill_attention.varlen_attention(q, k, v, cu, cu, tokens, tokens, head_dim ** -0.5, True)
+    assert out.shape == (rows, 32, head_dim) and out.is_contiguous()
+    want = attention_truth(q[:tokens], k[:tokens], v[:tokens], head_dim ** -0.5, True)
+    assert_close(out[:tokens], want, target.tol, f"cuDNN attention, {tokens} tokens + {padded} padded")
 
 
 def paged_case(num_blocks: int, block_size: int, context_lens: list[int], gen: torch.Generator) -> torch.Tensor:

@@ -1,14 +1,17 @@
 """Ragged (varlen) prefill attention on CUDA.
 
-Uses torch's own FlashAttention varlen kernel (``torch.nn.attention.varlen``)
-when it fits (fp16/bf16, equal head dims <= 256); otherwise a Triton
-flash-attention kernel (MLA prefill: q/k 192 vs v 128; float32). Causal
-masking is bottom-right aligned in both.
+A Triton flash-attention kernel serves every case (any dtype, GQA, MLA's q/k 192 vs v 128, cached
+prefixes: causal masking bottom-right aligned); one causal sequence without a cached prefix in
+half precision goes to cuDNN's dense attention instead. Measured on the H200 (Qwen3-8B, one causal
+4,096-token sequence, `scripts/bench_kernels.py --only prefill_sweep`, 2026-12-04): cuDNN 510
+TFLOP/s; the Triton kernel 429 at 128 x 128 tiles, 8 warps, 3 stages (its default for half-precision
+head dims <= 128; 385 at the old 64 x 64, 4 warps, 2 stages, which MLA's wider heads keep);
+torch's FlashAttention-2 (``varlen_attn``, no GQA in torch 2.11) 273, so it is no longer used.
 """
 from __future__ import annotations
 
 import functools
-import inspect
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,19 +19,21 @@ import triton.language as tl
 
 from engine.kernels.triton.attention_tiles import NEG_BIG, head_dim_blocks, load_q, online_softmax_step, scores_tile
 from engine.kernels.triton.host_math import cdiv, next_power_of_2
+from engine.kernels.triton.launcher import launch_kernel
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2, group,
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2, group, q_blocks,
                    q_stride0, q_stride1, k_stride0, k_stride1, v_stride0, v_stride1, o_stride0, o_stride1,
                    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr):
-    # Program (query block, sequence, query head).
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    # Program (query head, query block counted from the last, sequence): the heads of a KV group sit
+    # side by side (they read the same keys), and under a causal mask the longest rows start first.
+    head = tl.program_id(0)
+    q_block = q_blocks - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
     kv_head = head // group
     q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -42,13 +47,24 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
                             HEAD_DIM, BLOCK_D, BLOCK_TAIL)
     shift = k_len - q_len  # bottom-right causal: row i sees keys <= i + shift
     end = k_len
+    # Key tiles before `full` are seen whole by every row of the block: no mask to build or apply.
+    full = (k_len // BLOCK_N) * BLOCK_N
     if CAUSAL:
         end = tl.minimum(k_len, (q_block + 1) * BLOCK_M + shift)
+        full = tl.maximum(q_block * BLOCK_M + shift + 1, 0) // BLOCK_N * BLOCK_N
     dv = tl.arange(0, BLOCK_DV)
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for tile in range(0, end, BLOCK_N):
+    for tile in range(0, full, BLOCK_N):
+        cols = tile + tl.arange(0, BLOCK_N)
+        every = cols < k_len  # true here; a mask along rows only keeps the loads vectorised
+        scores, _ = scores_tile(q_main, q_tail, k_ptr, (k_start + cols) * k_stride0 + kv_head * k_stride1,
+                                every, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+        v = tl.load(v_ptr + ((k_start + cols) * v_stride0 + kv_head * v_stride1)[:, None] + dv[None, :],
+                    mask=every[:, None] & (dv < V_DIM)[None, :], other=0.0)
+        m, denom, acc = online_softmax_step(scores, True, m, denom, acc, v, scale_log2)
+    for tile in range(full, end, BLOCK_N):
         cols = tile + tl.arange(0, BLOCK_N)
         col_mask = cols < k_len
         scores, _ = scores_tile(q_main, q_tail, k_ptr, (k_start + cols) * k_stride0 + kv_head * k_stride1,
@@ -64,60 +80,88 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dv < V_DIM)[None, :])
 
 
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Launch shape of the Triton prefill kernel: query rows and key columns per tile, warps, pipeline stages."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_launch(head_dim: int, v_dim: int, element_size: int) -> PrefillLaunch:
+    """The measured launch for these head dims (module docstring): 128 x 128 tiles for half-precision
+    heads up to 128 wide (their three stages fill 224 of the H200's 227 KiB of shared memory);
+    otherwise 64-row tiles, with narrower key tiles where the head dims make a tile large."""
+    block_d, block_tail = head_dim_blocks(head_dim)
+    block_dv = max(16, next_power_of_2(v_dim))
+    if element_size == 2 and block_d + block_tail <= 128 and block_dv <= 128:
+        return PrefillLaunch(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return PrefillLaunch(block_n=64 if (block_d + block_tail + block_dv) * element_size <= 512 else 32)
+
+
 def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                           softmax_scale: float, causal: bool = True) -> torch.Tensor:
-    """The Triton kernel behind ``varlen_attention`` (any dtype, any head dims, Dv may differ from D)."""
+                           softmax_scale: float, causal: bool = True,
+                           launch: PrefillLaunch | None = None) -> torch.Tensor:
+    """The Triton kernel behind ``varlen_attention`` (any dtype, any head dims, Dv may differ from D);
+    ``launch`` overrides the default launch shape (benchmarks and tests)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("varlen_attention: q, k, v need a contiguous last dim")
     head_dim, v_dim = q.shape[2], v.shape[2]
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype, device=q.device)
     block_d, block_tail = head_dim_blocks(head_dim)
-    block_dv = max(16, next_power_of_2(v_dim))
-    block_m = 64
-    block_n = 64 if (block_d + block_tail + block_dv) * q.element_size() <= 512 else 32
-    grid = (cdiv(max_seqlen_q, block_m), cu_seqlens_q.shape[0] - 1, q.shape[1])
-    _varlen_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, q.shape[1] // k.shape[1],
-                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                         out.stride(0), out.stride(1),
-                         HEAD_DIM=head_dim, V_DIM=v_dim, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_D=block_d, BLOCK_TAIL=block_tail, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
+    launch = launch or default_launch(head_dim, v_dim, q.element_size())
+    q_blocks = cdiv(max_seqlen_q, launch.block_m)
+    grid = (q.shape[1], q_blocks, cu_seqlens_q.shape[0] - 1)
+    launch_kernel(_varlen_kernel, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
+                  q.shape[1] // k.shape[1], q_blocks, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                  v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                  HEAD_DIM=head_dim, V_DIM=v_dim, CAUSAL=causal, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                  BLOCK_D=block_d, BLOCK_TAIL=block_tail, BLOCK_DV=max(16, next_power_of_2(v_dim)),
+                  num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
+def _one_causal_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         causal: bool) -> bool:
+    """The case cuDNN's dense attention serves: one sequence attending causally to its own keys
+    (no cached prefix: as many key rows as query rows, so top-left and bottom-right alignment
+    agree; rows past the sequence, a padded step's, come after it and are never seen by it),
+    half precision, equal head dims <= 128."""
+    return (causal and cu_seqlens_q.shape[0] == 2 and q.shape[0] == k.shape[0] and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] == v.shape[2] <= 128
+            and q.shape[2] % 8 == 0 and _cudnn_attention_runs(q.device))
+
+
 @functools.cache
-def _torch_varlen_parameters() -> frozenset[str]:
+def _cudnn_attention_runs(device: torch.device) -> bool:
+    """Whether torch's cuDNN attention backend runs here (sm90+ with a cuDNN that has it); asked once."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
+        probe = torch.zeros(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
+        _cudnn_attention(probe, probe[:, :1], probe[:, :1], 1.0)
+        return True
+    except RuntimeError:
+        return False
 
 
-def _torch_varlen_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """torch's varlen_attn serves the case directly: half precision, equal head dims <= 256,
-    and GQA only where it has ``enable_gqa`` (torch >= 2.12; expanding K/V instead costs
-    more than our Triton kernel, measured on the H200)."""
-    params = _torch_varlen_parameters()
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] == v.shape[2] <= 256
-            and q.shape[2] % 8 == 0 and "scale" in params and ("window_size" in params or "is_causal" in params)
-            and (q.shape[1] == k.shape[1] or "enable_gqa" in params))
+def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``[1, Hq, T, D]`` queries on ``[1, Hk, T, D]`` keys / values through cuDNN (GQA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=q.shape[1] != k.shape[1])
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      softmax_scale: float, causal: bool = True) -> torch.Tensor:
-    if not _torch_varlen_fits(q, k, v):
+    """One causal sequence without a cached prefix (a long prompt's prefill) through cuDNN's attention
+    (510 against 429 TFLOP/s for the Triton kernel on the H200, module docstring); everything else
+    through the Triton kernel."""
+    if not _one_causal_sequence(q, k, v, cu_seqlens_q, causal):
         return flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale, causal)
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _torch_varlen_parameters()
-    kwargs = {"scale": softmax_scale}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
-    else:
-        kwargs["is_causal"] = causal
-    if q.shape[1] != k.shape[1]:
-        kwargs["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+    dense = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return _cudnn_attention(*dense, softmax_scale).squeeze(0).transpose(0, 1).contiguous()
