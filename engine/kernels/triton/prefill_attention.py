@@ -136,7 +136,10 @@ def _one_causal_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 @functools.cache
 def _cudnn_attention_runs(device: torch.device) -> bool:
-    """Whether torch's cuDNN attention backend runs here (sm90+ with a cuDNN that has it); asked once."""
+    """Whether torch's cuDNN attention backend runs here, on an sm90+ GPU (where it was measured
+    faster than the Triton kernel; other GPUs keep the kernel); asked once per device."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
     try:
         probe = torch.zeros(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
         _cudnn_attention(probe, probe[:, :1], probe[:, :1], 1.0)
