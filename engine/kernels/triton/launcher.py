@@ -39,36 +39,39 @@ def arg_signature(value):
     return _UNCACHED
 
 
-# id(kernel) -> the positions of its constexpr parameters (their values are part of the key)
-_constexpr_positions: dict[int, tuple[int, ...]] = {}
+# id(kernel) -> (names of its runtime parameters, positions of its constexpr parameters)
+_parameters: dict[int, tuple[frozenset[str], tuple[int, ...]]] = {}
 # key -> (compiled kernel, the values of the parameters after the positional ones, in order)
 _compiled: dict[tuple, tuple] = {}
 
 
-def _check_keywords(kernel, kwargs: dict) -> tuple[int, ...]:
-    """Refuse a runtime (non-constexpr) argument passed by keyword: the key holds keyword values
-    as they are, so a tensor there would key every call apart and stay referenced; returns the
-    positions of the kernel's constexpr parameters."""
+def _describe(kernel) -> tuple[frozenset[str], tuple[int, ...]]:
+    """(names of ``kernel``'s runtime parameters, positions of its constexpr parameters), kept."""
     parameters = inspect.signature(kernel.fn).parameters.values()
     constexpr = [p.annotation is tl.constexpr or "constexpr" in str(p.annotation) for p in parameters]
-    runtime = [p.name for p, const in zip(parameters, constexpr) if not const and p.name in kwargs]
+    found = _parameters[id(kernel)] = (frozenset(p.name for p, const in zip(parameters, constexpr) if not const),
+                                       tuple(i for i, const in enumerate(constexpr) if const))
+    return found
+
+
+def _refuse_runtime_keywords(kernel, runtime_names: frozenset[str], kwargs: dict) -> None:
+    """A runtime (non-constexpr) argument passed by keyword is refused: the key holds keyword values
+    as they are, so a tensor there would key every call apart and stay referenced."""
+    runtime = [name for name in kwargs if name in runtime_names]
     if runtime:
         raise TypeError(f"launch: pass {', '.join(runtime)} of {kernel.fn.__name__} positionally "
                         f"(keywords are for constexprs and launch options)")
-    return tuple(i for i, const in enumerate(constexpr) if const)
 
 
 def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid`` a tuple of 1 to 3 ints; ``kwargs`` constexprs and
     launch options such as ``num_warps``, hashable), through the compiled kernel's launcher after
     the first call with the same launch signature on the current device and stream."""
+    runtime_names, positions = _parameters.get(id(kernel)) or _describe(kernel)
     if type(kernel) is not JITFunction or _current_device is None:  # the interpreter's function; no CUDA
-        _check_keywords(kernel, kwargs)
+        _refuse_runtime_keywords(kernel, runtime_names, kwargs)
         kernel[grid](*args, **kwargs)
         return
-    positions = _constexpr_positions.get(id(kernel))
-    if positions is None:
-        positions = _constexpr_positions[id(kernel)] = _check_keywords(kernel, kwargs)
     signature = tuple(map(arg_signature, args))
     if _UNCACHED in signature:
         kernel[grid](*args, **kwargs)
@@ -77,8 +80,8 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     key = (id(kernel), device, tuple(kwargs.items()), signature,
            tuple(args[i] for i in positions if i < len(args)))
     entry = _compiled.get(key)
-    if entry is None:
-        _check_keywords(kernel, kwargs)
+    if entry is None:  # (a hit has the keywords of a checked miss: they are part of the key)
+        _refuse_runtime_keywords(kernel, runtime_names, kwargs)
         compiled = kernel[grid](*args, **kwargs)
         if compiled is None:  # Triton launched nothing it could hand back (a stubbed run, in benchmarks)
             return
