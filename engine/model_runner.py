@@ -264,7 +264,8 @@ class ModelRunner:
         """The logits [R, V] of the step's logits rows (a mixed step's prompt-logprob rows after
         them): its captured decode graph replayed; or, under the step's attention context, the
         piecewise graphs of a step with prefill chunks that has a captured size, else the model run
-        eagerly (a padded ``decode_size`` step: every row), and the LM head on the logits rows."""
+        eagerly (a padded ``decode_size`` step: every row; its last layer's MLP on the logits rows
+        alone), and the LM head on the logits rows."""
         if step.graph_size is not None:
             graph, logits = self.graphs[step.graph_size]
             graph.replay()
@@ -275,10 +276,10 @@ class ModelRunner:
             size = graphs.size_for(len(step.input_ids)) if graphs is not None and step.attention.has_prefill else None
             if size is not None:
                 hidden = graphs.run(size, step.input_ids, step.positions, step.attention.slot_mapping)
-            else:
-                hidden = self.model(step.input_ids, step.positions)
-        if step.logits_indices is not None:
-            hidden = hidden.index_select(0, step.logits_indices)
+                if step.logits_indices is not None:
+                    hidden = hidden.index_select(0, step.logits_indices)
+            else:  # the last layer's MLP and the final norm on the logits rows alone
+                hidden = self.model(step.input_ids, step.positions, step.logits_indices)
         return self.model.compute_logits(hidden)
 
     def _prepare_decode(self, batch: ScheduledBatch, table_rows: list[int], output_indices: list[int],
