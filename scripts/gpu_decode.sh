@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_decode.sh tests kernels fp8 bf16 summary    # correctness, per-linear timings, B=1 FP8 and bf16
 #   bash scripts/gpu_decode.sh throughput v2lite floors summary  # FP8 KV cache throughput, V2-Lite, floors
+#   bash scripts/gpu_decode.sh launcher eager summary            # the cached Triton launcher: tests, host us, eager
+#   bash scripts/gpu_decode.sh bf16 prefill summary              # B=1 and prefill 4,096 end to end; prefill kernels
 #
 #   tests    the cuda tests of the decode GEMVs and the FP8 KV cache (phase 01's kernels, phase 12's FP8 kernels;
 #            TESTS_K: a pytest -k expression to run fewer)
@@ -20,6 +22,13 @@
 #   agreement   scripts/bench_fp8.py agreement (Qwen3-8B: FP8 against bf16 on the same random weights)
 #   qwen3moe Qwen3-30B-A3B random, bf16 then online FP8: B=1 decode with graphs, TTFT of 1,024 tokens
 #   v2lite   DeepSeek-V2-Lite random, bf16 then online FP8: B=1 decode with graphs (the FP8 expert GEMV)
+#   launcher phase 01's cuda tests (the cached Triton launcher's among them, every kernel launched through it),
+#            then scripts/bench_dispatch.py (host us a call: our wrapper, the whole call, Triton's JIT launch, the
+#            compiled kernel's launcher)
+#   eager    Qwen3-8B random, --enforce-eager, B=1 decode beside transformers eager (qwen3_8b_b1_eager_tok_s),
+#            then scripts/eager_host_profile.py (where the eager step's host time goes)
+#   prefill  scripts/bench_kernels.py --only prefill_sweep prefill (the Triton prefill kernel's launch shapes
+#            beside torch SDPA's backends; the op)
 #   floors   scripts/bench_floors.py: copy floor, cuBLAS matmul chain, prefill GEMM floor
 #   summary  the figures side by side; $OUT/benchmarks.json from the reports (record_benchmarks.py)
 source "$(dirname "$0")/gpu_common.sh"  # strict mode, wheels, $OUT, PYTHONPATH, fits, logged
@@ -56,6 +65,28 @@ for section in ${*:-tests kernels fp8 bf16 summary}; do
         timeout 190 python3 scripts/bench_kernels.py --only decode_fp8 --json "$OUT/decode_attention.json" \
             > "$OUT/decode_attention.txt" 2> "$OUT/attention.log"
         echo "decode attention rc=$? at $SECONDS s" ;;
+    launcher)
+        fits 300 launcher || continue
+        timeout 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/01_numeric_primitives \
+            > "$OUT/launcher_tests.log" 2>&1
+        echo "phase 01 cuda tests rc=$? at $SECONDS s: $(tail -1 "$OUT/launcher_tests.log")"
+        timeout 50 python3 scripts/bench_dispatch.py --calls 500 --json "$OUT/dispatch.json" > /dev/null \
+            2> "$OUT/dispatch.log"
+        echo "dispatch rc=$? at $SECONDS s"; cat "$OUT/dispatch.log" ;;
+    eager)
+        fits 260 eager || continue
+        timeout 180 python3 -m engine bench latency --max-model-len 4160 --enforce-eager --preset qwen3-8b \
+            --random-weights --compare hf-eager --prompt-lens 128 --decode-tokens 64 \
+            --output "$OUT/latency_qwen3_8b_eager.json" > /dev/null 2>> "$OUT/latency.log"
+        echo "eager latency rc=$? at $SECONDS s"
+        timeout 70 python3 scripts/eager_host_profile.py --steps 20 --json "$OUT/eager_profile.json" \
+            > "$OUT/eager_profile.txt" 2>&1
+        echo "eager profile rc=$? at $SECONDS s: $(sed -n 2p "$OUT/eager_profile.txt")" ;;
+    prefill)
+        fits 200 prefill || continue
+        timeout 190 python3 scripts/bench_kernels.py --only prefill_sweep prefill --json "$OUT/prefill.json" \
+            > "$OUT/prefill.txt" 2> "$OUT/prefill.log"
+        echo "prefill kernels rc=$? at $SECONDS s"; tail -4 "$OUT/prefill.txt" ;;
     fp8)
         fits 200 fp8 || continue
         latency qwen3_8b_fp8 --quantization fp8 ;;
@@ -129,7 +160,7 @@ if gemv:
     for r in gemv["results"]:
         print(f"bf16 gemv {r['shape']:34} ours {r['ours_us']:7.1f} us  cuBLAS {r.get('cublas_us', float('nan')):7.1f} us  "
               f"best {r.get('best_config')}")
-for name in ("qwen3_8b_bf16", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_bf16", "dsv2_lite_fp8",
+for name in ("qwen3_8b_bf16", "qwen3_8b_eager", "qwen3_8b_bf16_gemv", "qwen3_8b_fp8", "dsv2_lite_bf16", "dsv2_lite_fp8",
              "qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8"):
     r = load(f"latency_{name}.json")
     if r:
@@ -148,13 +179,14 @@ if floors:
     print("floors", json.dumps({k: floors[k] for k in ("copy_floor_tok_s", "matmul_chain_tok_s",
                                                        "prefill_gemm_tok_s") if k in floors}))
 PY
-        reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/latency_dsv2_lite_*.json \
+        reports=$(ls "$OUT"/latency_qwen3_8b_bf16.json "$OUT"/latency_qwen3_8b_eager.json "$OUT"/latency_qwen3_8b_fp8.json "$OUT"/latency_dsv2_lite_*.json \
             "$OUT"/latency_qwen3_30b_a3b_*.json \
             "$OUT"/throughput_qwen3_8b_*.json "$OUT"/floors.json 2>/dev/null)
         cp benchmarks.json "$OUT/benchmarks.json"
         [ -n "$reports" ] && python3 scripts/record_benchmarks.py $reports --into "$OUT/benchmarks.json" \
             > /dev/null 2>> "$OUT/latency.log" ;;
-    *) echo "unknown section $section (tests, kernels, attention, fp8, bf16, bf16gemv, throughput, fp8throughput, agreement, v2lite,"
+    *) echo "unknown section $section (tests, kernels, attention, launcher, eager, prefill, fp8, bf16, bf16gemv, throughput,"
+       echo "fp8throughput, agreement, v2lite,"
        echo "qwen3moe, floors, summary)"
        exit 2 ;;
     esac
