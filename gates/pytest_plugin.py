@@ -1,10 +1,10 @@
 """pytest plugin (``-p gates.pytest_plugin``) that records per-test outcomes.
 
 When ``GATES_RESULT_DIR`` is set it writes ``rank{RANK or 0}.json`` there at the
-end of the session: ``{"rank", "exitstatus", "tests": [{"nodeid", "outcome",
-"duration_s", "message"}]}`` with outcome one of passed / failed / skipped /
-error (setup, teardown or collection errors), ``"failed_at"`` (wall-clock seconds) on a
-failure, and ``"properties"`` where a test called
+end of the session (whole or not at all: written aside, then renamed):
+``{"rank", "exitstatus", "tests": [{"nodeid", "outcome", "duration_s", "message"}]}`` with
+outcome one of passed / failed / skipped / error (setup, teardown or collection errors),
+``"failed_at"`` (wall-clock seconds) on a failure, and ``"properties"`` where a test called
 ``record_property`` (the performance gate records its benchmark figures so). Without the
 variable it records nothing. Under pytest-xdist the controller, which receives every
 worker's reports, writes the file; the workers write none.
@@ -55,7 +55,12 @@ def _write(exitstatus: int) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(payload, indent=1, default=str))
+    # written whole or not at all: a session killed while writing (the runner stops the rest of a
+    # run once one session fails) leaves no half-written file for the runner to read
+    path = Path(out_dir, f"rank{rank}.json")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(partial, path)
 
 
 def _abort_rank(report) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,3 +357,25 @@ def test_a_start_refused_by_a_dying_server_is_tried_again(tmp_path, monkeypatch)
     code, out, report = run_cli(tmp_path)
     assert code == 0 and by_id(report)["01"]["status"] == "PASS" and refused == [True], out
 
+
+def test_a_session_killed_while_writing_its_results_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """The runner stops the other sessions of a run once one fails; one stopped while writing its
+    results must leave no file the runner cannot read (an audit's gate run died on an empty
+    rank0.json: "JSONDecodeError: Expecting value")."""
+    from gates import pytest_plugin
+
+    monkeypatch.setenv("GATES_RESULT_DIR", str(tmp_path))
+    monkeypatch.setattr(pytest_plugin, "_tests", {"t": {"nodeid": "t", "outcome": "passed"}})
+    real_write_text = Path.write_text
+
+    def killed_half_way(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(Path, "write_text", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        pytest_plugin._write(exitstatus=0)
+    monkeypatch.setattr(Path, "write_text", real_write_text)
+    assert not (tmp_path / "rank0.json").exists()
+    pytest_plugin._write(exitstatus=0)
+    assert json.loads((tmp_path / "rank0.json").read_text())["tests"] == [{"nodeid": "t", "outcome": "passed"}]
