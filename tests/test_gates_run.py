@@ -365,6 +365,7 @@ def test_a_session_killed_while_writing_its_results_leaves_no_half_written_file(
     from gates import pytest_plugin
 
     monkeypatch.setenv("GATES_RESULT_DIR", str(tmp_path))
+    monkeypatch.setattr(pytest_plugin, "_xdist_worker", False)  # this test may itself run in an xdist worker
     monkeypatch.setattr(pytest_plugin, "_tests", {"t": {"nodeid": "t", "outcome": "passed"}})
     real_write_text = Path.write_text
 
