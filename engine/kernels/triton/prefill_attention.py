@@ -25,6 +25,18 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _key_value_tile(q_main, q_tail, k_ptr, v_ptr, k_rows, col_mask, kv_head, k_stride0, k_stride1, v_stride0,
+                    v_stride1, dv, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_TAIL: tl.constexpr):
+    """One key tile at key rows ``k_rows`` (masked by ``col_mask``): (raw scores [M, N] fp32, values [N, DV])."""
+    scores, _ = scores_tile(q_main, q_tail, k_ptr, k_rows * k_stride0 + kv_head * k_stride1, col_mask,
+                            HEAD_DIM, BLOCK_D, BLOCK_TAIL)
+    v = tl.load(v_ptr + (k_rows * v_stride0 + kv_head * v_stride1)[:, None] + dv[None, :],
+                mask=col_mask[:, None] & (dv < V_DIM)[None, :], other=0.0)
+    return scores, v
+
+
+@triton.jit
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2, group, q_blocks,
                    q_stride0, q_stride1, k_stride0, k_stride1, v_stride0, v_stride1, o_stride0, o_stride1,
                    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -58,19 +70,15 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for tile in range(0, full, BLOCK_N):
         cols = tile + tl.arange(0, BLOCK_N)
-        every = cols < k_len  # true here; a mask along rows only keeps the loads vectorised
-        scores, _ = scores_tile(q_main, q_tail, k_ptr, (k_start + cols) * k_stride0 + kv_head * k_stride1,
-                                every, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
-        v = tl.load(v_ptr + ((k_start + cols) * v_stride0 + kv_head * v_stride1)[:, None] + dv[None, :],
-                    mask=every[:, None] & (dv < V_DIM)[None, :], other=0.0)
+        # every column is below k_len here; a mask along rows only keeps the loads vectorised
+        scores, v = _key_value_tile(q_main, q_tail, k_ptr, v_ptr, k_start + cols, cols < k_len, kv_head, k_stride0,
+                                    k_stride1, v_stride0, v_stride1, dv, HEAD_DIM, V_DIM, BLOCK_D, BLOCK_TAIL)
         m, denom, acc = online_softmax_step(scores, True, m, denom, acc, v, scale_log2)
     for tile in range(full, end, BLOCK_N):
         cols = tile + tl.arange(0, BLOCK_N)
         col_mask = cols < k_len
-        scores, _ = scores_tile(q_main, q_tail, k_ptr, (k_start + cols) * k_stride0 + kv_head * k_stride1,
-                                col_mask, HEAD_DIM, BLOCK_D, BLOCK_TAIL)
-        v = tl.load(v_ptr + ((k_start + cols) * v_stride0 + kv_head * v_stride1)[:, None] + dv[None, :],
-                    mask=col_mask[:, None] & (dv < V_DIM)[None, :], other=0.0)
+        scores, v = _key_value_tile(q_main, q_tail, k_ptr, v_ptr, k_start + cols, col_mask, kv_head, k_stride0,
+                                    k_stride1, v_stride0, v_stride1, dv, HEAD_DIM, V_DIM, BLOCK_D, BLOCK_TAIL)
         allowed = col_mask[None, :]
         if CAUSAL:
             allowed = allowed & (cols[None, :] <= rows[:, None] + shift)
