@@ -109,11 +109,32 @@ def test_varlen_kernel_launch_shapes(target, shape):
     run_varlen(dataclasses.replace(target, max_tokens=max(target.max_tokens, 80)), attention)
 
 
+def test_the_cudnn_route_takes_only_the_shapes_cudnn_serves():
+    """cuDNN's dense attention gets one causal sequence of at least two rows without a cached
+    prefix, in half precision with equal head dims up to 128 (multiples of 8); everything else,
+    a one-token prompt first (cuDNN has no kernel for one key row), stays on the Triton kernel."""
+    from engine.kernels.triton.prefill_attention import _cudnn_shape
+
+    bf16 = torch.bfloat16
+    for rows in (2, 3, 128, 4096):
+        assert _cudnn_shape(1, rows, rows, True, bf16, 128, 128), rows
+    assert _cudnn_shape(1, 77, 77, True, torch.float16, 64, 64)
+    refused = {"one token": (1, 1, 1, True, bf16, 128, 128), "no rows": (1, 0, 0, True, bf16, 128, 128),
+               "two sequences": (2, 64, 64, True, bf16, 128, 128), "a cached prefix": (1, 63, 64, True, bf16, 128, 128),
+               "not causal": (1, 64, 64, False, bf16, 128, 128), "float32": (1, 64, 64, True, torch.float32, 128, 128),
+               "MLA's 192 / 128": (1, 64, 64, True, bf16, 192, 128), "head 256": (1, 64, 64, True, bf16, 256, 256),
+               "head 100": (1, 64, 64, True, bf16, 100, 100)}
+    for case, args in refused.items():
+        assert not _cudnn_shape(*args), case
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("tokens, padded, kv_heads, head_dim", [(300, 0, 8, 128), (1000, 24, 2, 64), (77, 3, 4, 128)])
+@pytest.mark.parametrize("tokens, padded, kv_heads, head_dim", [(300, 0, 8, 128), (1000, 24, 2, 64), (77, 3, 4, 128),
+                                                                (1, 0, 8, 128), (2, 0, 8, 128)])
 def test_one_causal_sequence_through_cudnn(tokens, padded, kv_heads, head_dim):
     """One causal prompt without a cached prefix goes to cuDNN's dense attention: its rows match float64
-    attention, also when the step's rows carry padding after the sequence (which it must not see)."""
+    attention, also when the step's rows carry padding after the sequence (which it must not see); a
+    one-token prompt (no cuDNN kernel for one key row) runs on the Triton kernel and matches too."""
     from engine.kernels.triton import prefill_attention
 
     target = next(p.values[0] for p in TARGETS if p.id == "triton-cuda")
@@ -123,7 +144,7 @@ def test_one_causal_sequence_through_cudnn(tokens, padded, kv_heads, head_dim):
     q = rand(gen, rows, 32, head_dim, target=target)
     k, v = (rand(gen, rows, kv_heads, head_dim, target=target) for _ in range(2))
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    assert prefill_attention._one_causal_sequence(q, k, v, cu, True)
+    assert prefill_attention._one_causal_sequence(q, k, v, cu, True) == (rows >= 2)  # one row: the Triton kernel
     two = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device="cuda")
     refused = {"not causal": (q, k, v, cu, False), "two sequences": (q, k, v, two, True),
                "a cached prefix": (q[1:], k, v, cu, True), "float32": (q.float(), k.float(), v.float(), cu, True),

@@ -133,13 +133,20 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def _one_causal_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          causal: bool) -> bool:
-    """The case cuDNN's dense attention serves: one sequence attending causally to its own keys
+    """The case cuDNN's dense attention serves, on a GPU where it runs: ``_cudnn_shape``."""
+    return (q.is_cuda and _cudnn_shape(cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], causal, q.dtype,
+                                       q.shape[2], v.shape[2]) and _cudnn_attention_runs(q.device))
+
+
+def _cudnn_shape(num_seqs: int, q_rows: int, k_rows: int, causal: bool, dtype: torch.dtype, head_dim: int,
+                 v_dim: int) -> bool:
+    """The shapes cuDNN's dense attention serves: one sequence attending causally to its own keys
     (no cached prefix: as many key rows as query rows, so top-left and bottom-right alignment
-    agree; rows past the sequence, a padded step's, come after it and are never seen by it),
-    half precision, equal head dims <= 128."""
-    return (causal and cu_seqlens_q.shape[0] == 2 and q.shape[0] == k.shape[0] and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] == v.shape[2] <= 128
-            and q.shape[2] % 8 == 0 and _cudnn_attention_runs(q.device))
+    agree; rows past the sequence, a padded step's, come after it and are never seen by it), at
+    least two of them (cuDNN has no kernel for one key row: a one-token prompt aborted the
+    prefill), half precision, equal head dims <= 128, multiples of 8."""
+    return (causal and num_seqs == 1 and q_rows == k_rows >= 2 and dtype in (torch.float16, torch.bfloat16)
+            and head_dim == v_dim <= 128 and head_dim % 8 == 0)
 
 
 @functools.cache
