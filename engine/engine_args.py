@@ -24,8 +24,12 @@ def _option(default, flag: str, help: str, **argparse_kwargs):
 
 @dataclass
 class EngineArgs:
-    model: str | None = _option(None, "--model", "Hugging Face checkpoint directory (config.json, safetensors, "
-                                "tokenizer); default: the demo model shipped in engine/default_model", metavar="DIR")
+    model: str | None = _option(None, "--model", "a Hugging Face checkpoint directory (config.json, safetensors, "
+                                "tokenizer), else a Hugging Face Hub id fetched into the Hugging Face cache "
+                                "(HF_HUB_OFFLINE=1: found there); default: the demo model shipped in "
+                                "engine/default_model", metavar="DIR|ORG/NAME")
+    revision: str | None = _option(None, "--revision", "with a Hub id: the branch, tag or commit to load (default "
+                                   "main)")
     backend: str = _option("tp", "--backend", "tp: route by config.json architectures[0] (default); hf: "
                            "transformers under our scheduler", choices=["tp", "qwen_tp", "deepseek_tp", "hf"])
     dtype: str | None = _option(None, "--dtype", "default: float32 on CPU, the checkpoint's half dtype (else "

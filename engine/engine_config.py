@@ -19,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kernels import FP8_DTYPE
+from engine.model_source import resolve_model
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.dense import DenseForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
@@ -38,13 +39,16 @@ DEFAULT_PREFILL_TOKENS_BESIDE_DECODES = 384
 @dataclass(frozen=True)
 class ModelSettings:
     """What runs: the checkpoint in ``model_dir`` (default: the demo model shipped in
-    ``engine/default_model``, so a fresh clone runs with no download), its ``config.json``
+    ``engine/default_model``, so a fresh clone runs with no download; for a Hub id its snapshot in
+    the Hugging Face cache, ``engine.model_source``), the model's ``name`` (the Hub id as given,
+    else the directory's name: the served model name's default), its ``config.json``
     (``config``), the ``backend`` and the model class it routes to (``model_class``; None for
     "hf", transformers' own model under our scheduler), the ``dtype`` (default: float32 on CPU,
     where every phase checks float32 against transformers; on CUDA the checkpoint's half dtype,
     else bfloat16) and ``quantization`` ("fp8": a float checkpoint quantized at load)."""
 
     model_dir: Path
+    name: str
     config: ModelConfig
     backend: str
     model_class: type | None
@@ -185,7 +189,11 @@ def _prefill_graph_tokens(requested: int | None, cuda_graphs: bool, max_num_batc
 
 def resolve(args: EngineArgs) -> EngineConfig:
     """``args`` with every default decided and every value checked."""
-    model_dir = Path(args.model) if args.model is not None else DEFAULT_MODEL_DIR
+    progress = args.progress
+    if progress is None:
+        progress = sys.stderr.isatty() and int(os.environ.get("RANK", "0")) == 0
+    model_dir, name = resolve_model(args.model if args.model is not None else DEFAULT_MODEL_DIR, args.revision,
+                                    progress=progress)
     config = ModelConfig.from_model_dir(model_dir, args.quantization)
     model_class = model_class_for(config, args.backend)
     speculative = _speculative(args, model_class)
@@ -205,11 +213,8 @@ def resolve(args: EngineArgs) -> EngineConfig:
     max_num_batched_tokens = max(args.max_num_batched_tokens, max_num_seqs)
     cuda_graphs = device.type == "cuda" and not args.enforce_eager
     ours = model_class is not None
-    progress = args.progress
-    if progress is None:
-        progress = sys.stderr.isatty() and int(os.environ.get("RANK", "0")) == 0
     return EngineConfig(
-        ModelSettings(model_dir, config, args.backend, model_class, dtype or default_dtype(config, device),
+        ModelSettings(model_dir, name, config, args.backend, model_class, dtype or default_dtype(config, device),
                       args.quantization),
         CacheSettings(args.block_size, _kv_cache_dtype(args.kv_cache_dtype, ours), args.mem_utilization,
                       args.reserve_bytes, args.enable_prefix_caching and ours),

@@ -26,24 +26,11 @@ from engine.engine_config import EngineConfig
 from engine.hf_runner import HFModelRunner
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
+from engine.sampling_defaults import GREEDY, read_generation_config, sampling_defaults
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-
-
-def _generation_config(model_dir: Path) -> dict:
-    path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _sampling_defaults(generation_config: dict) -> dict:
-    """The checkpoint's recommended temperature / top_p / top_k (generation_config.json with
-    do_sample), else greedy: what a request that names none of them gets from the CLI."""
-    if not generation_config.get("do_sample"):
-        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    return {"temperature": float(generation_config.get("temperature", 1.0)),
-            "top_p": float(generation_config.get("top_p", 1.0)), "top_k": int(generation_config.get("top_k") or 0)}
 
 
 def _eos_token_ids(generation_config: dict, config: ModelConfig, tokenizer) -> set[int]:
@@ -109,9 +96,9 @@ class LLMEngine:
         self.tp = init_tp_distributed()
         if c.parallel.custom_all_reduce:
             init_custom_all_reduce(self.device)  # a no-op for one rank or a CPU device
-        generation_config = _generation_config(self.model_dir)
-        self.eos_token_ids = _eos_token_ids(generation_config, self.config, self.tokenizer)
-        self.sampling_defaults = _sampling_defaults(generation_config)
+        self.generation_config = read_generation_config(self.model_dir)
+        self.eos_token_ids = _eos_token_ids(self.generation_config, self.config, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.generation_config, GREEDY)
         drafter = c.speculative.drafter()
         if drafter is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "

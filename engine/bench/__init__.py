@@ -17,7 +17,8 @@ spec        speculative decoding (n-gram drafts) at B=1: a code-editing and a pl
             workload through a plain and a speculative engine (tokens per target forward, tok/s,
             acceptance), and a verify step's time against a decode step's (``engine.bench.spec``)
 
-The model: ``--model DIR``, or ``--preset NAME --random-weights`` (full-size, random weights made
+The model: ``--model DIR`` or a Hugging Face Hub id (``--model ORG/NAME [--revision REV]``, fetched into
+the Hugging Face cache), or ``--preset NAME --random-weights`` (full-size, random weights made
 on the device, no checkpoint). ``--compare hf`` times transformers on the same weights in the
 same process and adds ratios; ``--profile trace.json`` writes a torch-profiler chrome trace of a
 few decode steps and checks it is eager (no compiled region, Inductor kernel or CUDA graph
@@ -192,11 +193,19 @@ def _check_source(args: argparse.Namespace) -> None:
 
 def model_config(args: argparse.Namespace):
     from engine.config import ModelConfig
-    from engine.engine_config import DEFAULT_MODEL_DIR
 
     if args.preset:
         return ModelConfig.from_dict(PRESETS[args.preset])
-    return ModelConfig.from_model_dir(args.model or DEFAULT_MODEL_DIR)
+    return ModelConfig.from_model_dir(model_files(args))
+
+
+def model_files(args: argparse.Namespace) -> Path:
+    """The directory holding the configs and tokenizer of ``--model`` (a Hub id's snapshot, its
+    weights fetched only when an engine is built from it)."""
+    from engine.engine_config import DEFAULT_MODEL_DIR
+    from engine.model_source import resolve_model
+
+    return resolve_model(args.model or DEFAULT_MODEL_DIR, args.revision, weights=False).path
 
 
 def run_offline(args: argparse.Namespace, report: dict) -> None:
@@ -332,10 +341,9 @@ def run_structured(url: str, prompts, output_lens, request_rate: float, max_conc
 
     from engine.bench import structured
     from engine.bench.serve import wait_healthy
-    from engine.engine_config import DEFAULT_MODEL_DIR
     from engine.llm_engine import load_tokenizer
 
-    tokenizer = load_tokenizer(Path(args.tokenizer if args.preset else args.model or DEFAULT_MODEL_DIR))
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.preset else model_files(args))
     config = model_config(args)
     stop_ids = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
     url = url.rstrip("/")

@@ -85,8 +85,10 @@ def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
 def test_sampling_defaults_come_from_generation_config(engine, tmp_path):
     """The demo checkpoint recommends sampling (greedy loops on a model this small); a checkpoint
     whose generation_config.json does not sample gives greedy defaults."""
-    assert engine.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 0}
+    assert engine.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                                        "repetition_penalty": 1.0}
     from phases.checkpoints import make_tiny_checkpoint
 
     tiny = LLMEngine(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", seed=1), max_num_seqs=2, max_model_len=64)
-    assert tiny.sampling_defaults == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    assert tiny.sampling_defaults == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                      "repetition_penalty": 1.0}
