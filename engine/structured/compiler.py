@@ -1,44 +1,67 @@
-"""Grammar compilation with xgrammar, off the engine loop: a bounded pool of worker threads, one
-compile per spec however many requests ask for it at once, an LRU cache of the results, and a
-time limit.
+"""Grammar compilation with xgrammar, out of the engine loop's way: worker processes that try each
+spec first, a queue in front of them fair across clients, one compile per spec however many
+requests ask for it, and an LRU cache bounded in bytes.
 
-The time limit (``timeout_s``) bounds how long a request waits for its grammar, queueing
-included: past it the request gets ``StructuredOutputError("compiling the grammar took longer
-than N s")`` (a 400). An xgrammar compile cannot be cancelled, so a compile that has started runs
-to its end on its worker; then, if the compile itself ran longer than ``timeout_s``, its grammar
-is dropped and the spec is cached as refused (later requests for it get the same error at once
-and take no worker), else the grammar is cached (it was late only because it queued). A queued
-compile that every request waiting for it has given up on is cancelled before it starts. At most
-``workers`` compiles run at once, each on one thread (xgrammar's own parallelism is off), so
-however many pathological schemas arrive they take at most ``workers`` cores from the engine
-loop and each distinct one runs once; requests queued behind them wait, up to their limit. A
-process exiting waits for the compiles running then (as for any ``ThreadPoolExecutor``): a
-worker cut off inside xgrammar at exit would abort the process.
+Pool. At most ``workers`` worker processes (``compile_worker.CompileWorker``, forkserver-started
+by the first compile that misses the cache), each driven by a thread of this process. A spec is
+compiled in a worker first; only a spec the worker compiled in time and within the size allowed
+is compiled again here, on that thread (xgrammar releases the GIL, so the engine loop runs; the
+compile is deterministic, so it ends in about the worker's time), and its grammar cached. No
+grammar comes back from a worker: why is in ``compile_worker``.
 
-xgrammar releases the GIL while it compiles, so the engine loop runs meanwhile.
+Time limit. A compile that runs in its worker past ``timeout_s`` is stopped: the process is
+killed (the worker's next compile starts another, in ~10 ms) and the spec is cached as refused
+("compiling the grammar took longer than N s"), so asking again is answered at once. The limit
+counts the spec's own compile, never the time it queued.
+
+Fairness. Queued specs are served in turns across clients (``client``: whoever the caller says
+sent the request, e.g. its address): a free worker takes the oldest spec of the client with the
+fewest compiles running, among equals the one served longest ago. So one client's flood of slow
+specs delays another client's compile by at most about one ``timeout_s`` (its share of the
+workers' time), and never makes it fail. A client
+has at most ``max_queued_per_client`` distinct specs queued or compiling; past that its request
+gets :class:`GrammarBusy`. An identical spec compiles once: its request joins the job queued or
+running for it. A request that stops waiting (a cancelled asyncio task: the client left) leaves
+the job; a queued job that nobody waits for any more is dropped before it starts.
+
+Memory. The cache holds at most ``cache_bytes`` (a grammar counts its ``memory_size_bytes``, a
+refusal 1 KiB), the least recently used out first. A grammar bigger than ``max_grammar_bytes``
+is refused ("the compiled grammar takes N MiB, more than the M MiB allowed") and never compiled
+here. What a compile allocates in a worker returns to the OS with the process: a killed worker
+goes, and one whose resident memory grew by more than ``recycle_bytes`` is replaced after its
+compile. Here, a compile of a grammar of 1 MiB or more, or one that evicted others, is followed
+by glibc's ``malloc_trim``, which gives the heap's free pages back (else they stay with the
+process).
+
+``close()`` (run at interpreter exit too) fails the queued compiles, kills the workers (their
+compiles fail) and returns once the processes and their threads have ended (a compile running
+here, on a thread, ends first).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
-import json
-import re
+import ctypes
 import threading
-import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
+from engine.structured.compile_worker import CLOSED, CompileWorker, compile_spec
 from engine.structured.spec import StructuredOutputError, StructuredSpec
 
-# xgrammar prefixes its messages with "[HH:MM:SS] /path/file.cc:LINE: "
-_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
-# xgrammar (0.2.9) lowers a JSON string with minLength / maxLength to a repetition of the first
-# class, which admits raw control characters: invalid JSON (mlc-ai/xgrammar#800; fix proposed in
-# #880). The second is the class its unbounded strings use, less the escapes' backslash.
-_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+MiB = 1 << 20
+_REFUSED_BYTES = 1024  # what a cached refusal counts (its key and message) against cache_bytes
+_TRIM_BYTES = MiB  # a grammar this big or bigger is followed by malloc_trim
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
+
+
+class GrammarBusy(StructuredOutputError):
+    """The client has ``max_queued_per_client`` distinct specs queued or compiling already: retry
+    once they are done (a 429, not a 400: the spec may be fine)."""
 
 
 @dataclass(frozen=True)
@@ -47,30 +70,99 @@ class _Refused:
     message: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
-    """One compile of ``spec``, shared by the ``waiters`` requests waiting for it; ``future``
-    (the pool's) resolves to a ``CompiledGrammar`` or a ``_Refused``."""
+    """One compile of ``spec``; ``future`` resolves to a ``CompiledGrammar`` or a ``_Refused``.
+    ``waiters`` counts the requests waiting for it, by client; ``client`` is the one whose turn
+    started it (None while queued)."""
     spec: StructuredSpec
-    future: concurrent.futures.Future
-    waiters: int = 0
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    waiters: Counter = field(default_factory=Counter)
+    client: str | None = None
 
 
-def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
-    """xgrammar's grammar of ``schema`` (JSON text), with length-bounded strings kept to JSON's
-    characters (no raw control characters; as in xgrammar, no escapes in them either)."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
-    ebnf = str(grammar)
-    if _BOUNDED_STRING_CHAR not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+class _FairQueue:
+    """Queued jobs by client. The next job is the oldest of the client with the fewest jobs
+    compiling and, among equals, served longest ago (a client served goes behind the others, one
+    with nothing queued comes in ahead of them): while one client's jobs hold every worker,
+    another's is the next to start. A job is in the queue of each client that asked for it before
+    it started; started once, its other entries are skipped, as are those of a job nobody waits
+    for any more (dropped)."""
+
+    def __init__(self):
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()
+        self._compiling: Counter[str] = Counter()
+
+    def put(self, client: str, job: _Job) -> None:
+        if client not in self._queues:
+            self._queues[client] = deque()
+            self._queues.move_to_end(client, last=False)
+        self._queues[client].append(job)
+
+    def take(self) -> _Job | None:
+        """The next job to start (now counted as its client's), or None when none waits."""
+        while self._queues:
+            client = min(self._queues, key=self._compiling.__getitem__)  # the first of the least busy
+            jobs = self._queues.pop(client)
+            job = jobs.popleft()
+            if jobs:
+                self._queues[client] = jobs  # behind the other clients now
+            if job.client is None and job.waiters:
+                job.client = client
+                self._compiling[client] += 1
+                return job
+        return None
+
+    def done(self, job: _Job) -> None:
+        """``job`` (taken) no longer compiles."""
+        self._compiling[job.client] -= 1
+        if not self._compiling[job.client]:
+            del self._compiling[job.client]
+
+    def clear(self) -> list[_Job]:
+        """Empty the queue; returns the jobs it held that had not started and were waited for, once each."""
+        jobs = {id(job): job for queue in self._queues.values() for job in queue if job.client is None and job.waiters}
+        self._queues.clear()
+        return list(jobs.values())
 
 
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF whose root matches exactly one of ``choices``: each a string literal escaped as JSON
-    escapes it (quotes, backslashes and control characters; other characters verbatim), which
-    xgrammar's EBNF reads back to the same string."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+class _Cache:
+    """Compile outcomes by spec key, least recently used first, ``max_bytes`` in all at most (a
+    grammar counts its ``memory_size_bytes``, a refusal 1 KiB; one bigger than the whole is not kept)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[str, xgr.CompiledGrammar | _Refused] = OrderedDict()
+
+    def get(self, key: str) -> xgr.CompiledGrammar | _Refused | None:
+        outcome = self.entries.get(key)
+        if outcome is not None:
+            self.entries.move_to_end(key)
+        return outcome
+
+    def put(self, key: str, outcome: xgr.CompiledGrammar | _Refused) -> int:
+        """Keep ``outcome`` under ``key`` (not there yet), evicting the least recently used
+        first; returns the bytes evicted."""
+        size, evicted = _size(outcome), 0
+        if size > self.max_bytes:
+            return 0
+        while self.bytes + size > self.max_bytes:
+            freed = _size(self.entries.popitem(last=False)[1])
+            self.bytes -= freed
+            evicted += freed
+        self.entries[key] = outcome
+        self.bytes += size
+        return evicted
+
+
+def _size(outcome: xgr.CompiledGrammar | _Refused) -> int:
+    return _REFUSED_BYTES if isinstance(outcome, _Refused) else outcome.memory_size_bytes
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class GrammarCompiler:
@@ -84,111 +176,177 @@ class GrammarCompiler:
     ``{"type": "object"}``: any object, as OpenAI's JSON mode and vLLM have it.
 
     ``compile`` (blocking) and ``compile_async`` (asyncio) are safe from any thread or event
-    loop; see the module docstring for the pool, the cache and the time limit. ``close()`` cancels
-    the queued compiles.
+    loop; the module docstring tells the pool, the time limit, the fairness across ``client`` s
+    and the memory bounds (``cache_bytes``, ``max_grammar_bytes``, ``recycle_bytes``).
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], *, workers: int = 2,
-                 cache_size: int = 128, timeout_s: float = 10.0, any_whitespace: bool = False):
+                 timeout_s: float = 10.0, any_whitespace: bool = False, cache_bytes: int = 256 * MiB,
+                 max_grammar_bytes: int = 64 * MiB, max_queued_per_client: int = 8, recycle_bytes: int = 64 * MiB):
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=sorted(stop_token_ids))
         self._xgrammar = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-        self.timeout_s, self.cache_size, self.any_whitespace = timeout_s, cache_size, any_whitespace
+        self.timeout_s, self.any_whitespace = timeout_s, any_whitespace
+        self.max_grammar_bytes, self.max_queued_per_client = max_grammar_bytes, max_queued_per_client
+        info = self.tokenizer_info.serialize_json()
+        self._workers = [CompileWorker(f"grammar-compile-worker-{i}", info, any_whitespace, recycle_bytes)
+                         for i in range(workers)]
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, xgr.CompiledGrammar | _Refused] = OrderedDict()
+        self._queued = threading.Condition(self._lock)
+        self._cache = _Cache(cache_bytes)
         self._jobs: dict[str, _Job] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar-compiler")
+        self._queue = _FairQueue()
+        self._pending: Counter[str] = Counter()  # by client: the distinct jobs it waits for
+        self._threads: list[threading.Thread] = []
+        self._closed = False
 
-    def compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec``, waiting at most ``timeout_s`` (blocks the calling
-        thread). Raises :class:`StructuredOutputError` (param ``spec.param``) when xgrammar
-        refuses the spec or the wait runs past the limit. A cached spec returns the same object."""
-        found = self._claim(spec)
+    def compile(self, spec: StructuredSpec, client: str = "") -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec``, blocking the calling thread while it queues and
+        compiles. Raises :class:`StructuredOutputError` (param ``spec.param``) when xgrammar
+        refuses the spec, its compile runs past the limit or its grammar is too big, and
+        :class:`GrammarBusy` when ``client`` has too many specs pending. A cached spec returns
+        the same object."""
+        found = self._claim(spec, client)
         if not isinstance(found, _Job):
             return self._grammar(spec, found)
         try:
-            outcome = found.future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            outcome = self._too_slow()
+            outcome = found.future.result()
         finally:
-            self._release(found)
+            self._release(found, client)
         return self._grammar(spec, outcome)
 
-    async def compile_async(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
-        """``compile`` for an asyncio caller: the event loop runs while the compile does. A
-        cancelled caller (a client gone) stops waiting; the compile goes on for other waiters."""
-        found = self._claim(spec)
+    async def compile_async(self, spec: StructuredSpec, client: str = "") -> xgr.CompiledGrammar:
+        """``compile`` for an asyncio caller: the event loop runs while the spec queues and
+        compiles. A cancelled caller (a client gone) stops waiting; the compile goes on for the
+        others waiting, and a queued one nobody waits for any more is dropped."""
+        found = self._claim(spec, client)
         if not isinstance(found, _Job):
             return self._grammar(spec, found)
         try:
-            done, _ = await asyncio.wait([asyncio.wrap_future(found.future)], timeout=self.timeout_s)
+            await asyncio.wait([asyncio.wrap_future(found.future)])
         finally:
-            self._release(found)
-        return self._grammar(spec, done.pop().result() if done else self._too_slow())
+            self._release(found, client)
+        return self._grammar(spec, found.future.result())
 
     def close(self) -> None:
-        """Cancel the queued compiles; the workers stop once the running ones end."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _claim(self, spec: StructuredSpec) -> xgr.CompiledGrammar | _Refused | _Job:
-        """The cached outcome of ``spec``, else the job compiling it (joined, or queued now)."""
+        """Fail the queued compiles, kill the workers and wait for them and their threads to end."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            dropped = self._queue.clear()
+            for job in dropped:
+                del self._jobs[job.spec.key]
+            self._queued.notify_all()
+        for job in dropped:
+            job.future.set_exception(RuntimeError(CLOSED))
+        for worker in self._workers:
+            worker.close()
+        for thread in self._threads:
+            thread.join()
+        atexit.unregister(self.close)
+
+    def _claim(self, spec: StructuredSpec, client: str) -> xgr.CompiledGrammar | _Refused | _Job:
+        """The cached outcome of ``spec``, else the job compiling it (joined, or queued now) with
+        one more waiter from ``client``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(CLOSED)
             outcome = self._cache.get(spec.key)
             if outcome is not None:
-                self._cache.move_to_end(spec.key)
                 return outcome
             job = self._jobs.get(spec.key)
-            if job is None:  # the worker's _run takes the lock: it sees the job registered
-                job = self._jobs[spec.key] = _Job(spec, self._pool.submit(self._run, spec))
-            job.waiters += 1
+            joined = job is not None and job.waiters[client] > 0
+            if not joined and self._pending[client] >= self.max_queued_per_client:
+                raise GrammarBusy(spec.param, f"'{spec.param}' cannot be compiled now: {self._pending[client]} "
+                                              "grammars of this client are queued or compiling; retry once they end")
+            if job is None:
+                job = self._jobs[spec.key] = _Job(spec)
+                self._start_thread()
+            if not joined:
+                self._pending[client] += 1
+                if job.client is None:
+                    self._queue.put(client, job)
+                    self._queued.notify()
+            job.waiters[client] += 1
             return job
 
-    def _release(self, job: _Job) -> None:
-        """A waiter is done with ``job``; the last one cancels it if it has not started."""
+    def _release(self, job: _Job, client: str) -> None:
+        """A waiter from ``client`` is done with ``job``; a job left without waiters before it
+        started is dropped."""
         with self._lock:
-            job.waiters -= 1
-            if job.waiters == 0 and job.future.cancel() and self._jobs.get(job.spec.key) is job:
+            job.waiters[client] -= 1
+            if job.waiters[client] == 0:
+                del job.waiters[client]
+                self._pending[client] -= 1
+                if self._pending[client] == 0:
+                    del self._pending[client]
+            if not job.waiters and job.client is None and self._jobs.get(job.spec.key) is job:
                 del self._jobs[job.spec.key]
 
-    def _run(self, spec: StructuredSpec) -> xgr.CompiledGrammar | _Refused:
-        """On a worker: compile ``spec`` and cache the outcome (before the job's future resolves
-        to it). An error that is not xgrammar refusing the spec reaches the waiters, uncached."""
-        start = time.monotonic()
+    def _start_thread(self) -> None:
+        """Start the next worker's thread, while some worker has none (the lock held)."""
+        if len(self._threads) == len(self._workers):
+            return
+        if not self._threads:
+            atexit.register(self.close)
+        worker = self._workers[len(self._threads)]
+        thread = threading.Thread(target=self._drive, args=(worker,), name=worker.name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _drive(self, worker: CompileWorker) -> None:
+        """A worker's thread: compile the jobs it takes until the compiler closes, then reap the worker."""
         try:
-            outcome = self._compile_now(spec)
-        except (RuntimeError, ValueError) as e:  # xgrammar: the regex / EBNF / schema is refused
-            outcome = _Refused(_XGRAMMAR_PREFIX.sub("", str(e)).strip())
-        except Exception:
-            with self._lock:
-                del self._jobs[spec.key]
-            raise
-        if time.monotonic() - start > self.timeout_s:
-            outcome = self._too_slow()
+            while (job := self._next_job()) is not None:
+                try:
+                    outcome = self._outcome(worker, job.spec)
+                except Exception as e:  # closed, or an unexpected failure: for the waiters, not cached
+                    self._fail(job, e)
+                else:
+                    self._finish(job, outcome)
+        finally:
+            worker.stop()
+
+    def _next_job(self) -> _Job | None:
+        """The next queued job (round-robin across clients), waiting for one; None once closed."""
         with self._lock:
-            del self._jobs[spec.key]
-            self._cache[spec.key] = outcome
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return outcome
+            while not self._closed:
+                job = self._queue.take()
+                if job is not None:
+                    return job
+                self._queued.wait()
+            return None
 
-    def _compile_now(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
-        if spec.kind in ("json_schema", "json_object"):
-            schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-            return self._xgrammar.compile_grammar(json_schema_grammar(schema, self.any_whitespace))
-        if spec.kind == "regex":
-            return self._xgrammar.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return self._xgrammar.compile_grammar(choice_grammar(json.loads(spec.value)))
-        if spec.kind == "tool_call":
-            call = json.loads(spec.value)
-            return self._xgrammar.compile_grammar(xgr.Grammar.concat(
-                *(xgr.Grammar.from_ebnf(choice_grammar([text])) for text in (call["prefix"],) if text),
-                json_schema_grammar(json.dumps(call["schema"]), self.any_whitespace),
-                *(xgr.Grammar.from_ebnf(choice_grammar([text])) for text in (call["suffix"],) if text)))
-        return self._xgrammar.compile_grammar(spec.value)
+    def _outcome(self, worker: CompileWorker, spec: StructuredSpec) -> xgr.CompiledGrammar | _Refused:
+        """Compile ``spec`` in ``worker``, then here if the worker's verdict allows it."""
+        verdict = worker.probe(spec, self.timeout_s)
+        if verdict is None:
+            return _Refused(f"compiling the grammar took longer than {self.timeout_s:g} s")
+        if verdict.error:
+            raise RuntimeError(f"compiling the grammar failed: {verdict.error}")
+        if verdict.refused:
+            return _Refused(verdict.refused)
+        if verdict.grammar_bytes > self.max_grammar_bytes:
+            return _Refused(f"the compiled grammar takes {verdict.grammar_bytes / MiB:.1f} MiB, more than the "
+                            f"{self.max_grammar_bytes / MiB:g} MiB allowed")
+        return compile_spec(self._xgrammar, spec, self.any_whitespace)
 
-    def _too_slow(self) -> _Refused:
-        return _Refused(f"compiling the grammar took longer than {self.timeout_s:g} s")
+    def _finish(self, job: _Job, outcome: xgr.CompiledGrammar | _Refused) -> None:
+        """Cache ``job``'s outcome, then hand it to its waiters; trim the heap after a big grammar."""
+        with self._lock:
+            del self._jobs[job.spec.key]
+            self._queue.done(job)
+            evicted = self._cache.put(job.spec.key, outcome)
+        job.future.set_result(outcome)
+        if evicted or _size(outcome) >= _TRIM_BYTES:
+            _trim()
+
+    def _fail(self, job: _Job, error: Exception) -> None:
+        with self._lock:
+            del self._jobs[job.spec.key]
+            self._queue.done(job)
+        job.future.set_exception(error)
 
     @staticmethod
     def _grammar(spec: StructuredSpec, outcome: xgr.CompiledGrammar | _Refused) -> xgr.CompiledGrammar:

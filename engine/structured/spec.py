@@ -118,6 +118,8 @@ def _from_structured_outputs(value: Any) -> StructuredSpec:
         if isinstance(item, str):
             try:
                 item = json.loads(item)
+            except RecursionError:
+                raise StructuredOutputError(param, f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
             except ValueError as e:
                 raise StructuredOutputError(param, f"'{param}' is a string that is not valid JSON: {e}") from None
         return _schema_spec(item, param)
@@ -132,16 +134,58 @@ def _from_structured_outputs(value: Any) -> StructuredSpec:
 
 def _schema_spec(schema: Any, param: str) -> StructuredSpec:
     """A ``json_schema`` spec of ``schema``, which must be a JSON object that is a valid
-    JSON Schema (draft 2020-12 meta-schema)."""
+    JSON Schema (draft 2020-12 meta-schema), nests at most ``MAX_SCHEMA_DEPTH`` levels (checked
+    iteratively before anything recurses into it) and has no ``patternProperties``: the grammar
+    can match keys to a pattern but cannot keep them unique, so an answer could repeat a key."""
     if not isinstance(schema, dict):
         raise StructuredOutputError(param, f"'{param}' must be a JSON Schema object")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise StructuredOutputError(param, f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
+        where = "/".join(str(p) for p in e.absolute_path)[:100]
         raise StructuredOutputError(param, f"'{param}' is not a valid JSON Schema"
-                                           f"{f' at {where}' if where else ''}: {e.message}") from None
+                                           f"{f' at {where}' if where else ''}: {e.message[:200]}") from None
+    if any("patternProperties" in s for s in _subschemas(schema)):
+        raise StructuredOutputError(param, f"'{param}' uses patternProperties, which this server cannot honour: "
+                                           "the grammar cannot keep the keys it matches unique (list the "
+                                           "properties, or use additionalProperties)")
     return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
+
+
+MAX_SCHEMA_DEPTH = 64  # JSON levels; jsonschema's own check recurses ~10 frames a level
+_DATA_KEYWORDS = {"const", "enum", "default", "examples"}  # their values are instances, not schemas
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (objects and arrays), found iteratively."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _subschemas(schema: dict) -> list[dict]:
+    """``schema`` and every schema inside it (not the instances of const / enum / default /
+    examples, not the names of a properties map)."""
+    found, pending = [], [schema]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            found.append(item)
+            for key, value in item.items():
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    pending.extend(value.values())
+                elif key not in _DATA_KEYWORDS:
+                    pending.append(value)
+    return found
 
 
 def _object(value: Any, param: str) -> dict:
