@@ -282,6 +282,21 @@ def _exit_code(code: int | None, session: Session) -> int | None:
     return recorded
 
 
+def _await_exit(pid: int, deadline: float) -> None:
+    """Wait until process ``pid`` has exited (gone, or a zombie left to init), at most until
+    ``deadline``. multiprocessing reports ``STATUS_LOST`` the moment the forkserver that forked a
+    session dies, while the session, no child of the runner, may still be running and has not yet
+    written its results: reading them then would call a passing session lost."""
+    stat = Path(f"/proc/{pid}/stat")
+    while time.monotonic() < deadline:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+
+
 def _supervise(root: Path, sessions: list[Session], at_once: int, timeout_s: float,
                fail_fast: bool) -> tuple[list[int | None], str]:
     """Run ``sessions`` in order, at most ``at_once`` at a time, until all have exited; with
@@ -306,6 +321,8 @@ def _supervise(root: Path, sessions: list[Session], at_once: int, timeout_s: flo
             for sentinel in ready:
                 i, process = running.pop(sentinel)
                 process.join()
+                if process.exitcode == STATUS_LOST:
+                    _await_exit(process.pid, deadline)
                 codes[i] = _exit_code(process.exitcode, sessions[i])
                 with _running_lock:
                     _running.discard(process.pid)
