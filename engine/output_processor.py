@@ -46,7 +46,8 @@ class RequestOutput:
     (``Sequence.num_cached_prompt_tokens``; 0 before it was admitted). ``prompt_logprobs`` (when
     the request asked for them; always whole): per prompt token, None for the first, then as
     ``logprobs`` (the token, its logprob given the tokens before it, the most likely tokens),
-    as far as its prefill chunks have computed (read on TP rank 0 only)."""
+    as far as its prefill chunks have computed (read on TP rank 0 only). ``stop_reason``: the stop
+    string that ended it (finish reason "stop"; None when EOS or a stop token did, as vLLM's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -61,6 +62,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprobs | None] | None = None
+    stop_reason: str | None = None
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RequestState:
     not asked for; the prompt's start with None for its first token), how many
     characters a running request's text holds back (``hold_back``: its longest stop string - 1),
     how many of its output tokens reached the output (``num_tokens``), the finish reason
-    reported (``finish_reason``, ``error``)."""
+    reported (``finish_reason``, ``error``) and the stop string that ended it (``stop_reason``)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -80,6 +82,7 @@ class RequestState:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    stop_reason: str | None = None
 
 
 class OutputProcessor:
@@ -142,7 +145,7 @@ class OutputProcessor:
                              finished, state.finish_reason, seq.reject_reason,
                              None if state.logprobs is None else state.logprobs[tokens_from:],
                              seq.num_draft_tokens, seq.num_accepted_tokens, state.error,
-                             seq.num_cached_prompt_tokens or 0, state.prompt_logprobs)
+                             seq.num_cached_prompt_tokens or 0, state.prompt_logprobs, state.stop_reason)
 
     def streamed_token_ids(self, request_id: str) -> list[int]:
         """The tokens detokenised for this request so far (each once, in order)."""
@@ -204,7 +207,8 @@ class OutputProcessor:
                 if delta is None:
                     self._end(state, out, index, "error", to_finish)
                     ended.add(id(state))
-                elif delta and self._cut_at_stop_string(state, delta):
+                elif delta and (matched := self._cut_at_stop_string(state, delta)) is not None:
+                    state.stop_reason = matched
                     self._end(state, out, index + 1, "stop", to_finish)
                     ended.add(id(state))
         for state, out in texts:
@@ -244,17 +248,18 @@ class OutputProcessor:
             return deltas
 
     @staticmethod
-    def _cut_at_stop_string(state: RequestState, delta: str) -> bool:
+    def _cut_at_stop_string(state: RequestState, delta: str) -> str | None:
         """Cut the text before the first of the request's stop strings that ends in the new text
-        ``delta`` (after it with ``include_stop_str_in_output``); True when one did."""
+        ``delta`` (after it with ``include_stop_str_in_output``); the stop string when one did."""
         stops = state.seq.sampling_params.stop
         if not stops:
-            return False
+            return None
         detok = state.detokenizer
         window = detok.tail(len(delta) + max(map(len, stops)) - 1)  # a stop string ending in the delta
         hits = [(i, len(s)) for i, s in ((window.find(s), s) for s in stops) if i >= 0]
-        if hits:
-            at, length = min(hits, key=lambda hit: hit[0])
-            kept = at + length if state.seq.sampling_params.include_stop_str_in_output else at
-            detok.truncate(detok.length - len(window) + kept)
-        return bool(hits)
+        if not hits:
+            return None
+        at, length = min(hits, key=lambda hit: hit[0])
+        kept = at + length if state.seq.sampling_params.include_stop_str_in_output else at
+        detok.truncate(detok.length - len(window) + kept)
+        return window[at:at + length]

@@ -149,7 +149,8 @@ class SamplingParams:
         )
         for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+                got = repr(getattr(self, name))  # never the whole of a large value
+                raise ValueError(f"SamplingParams.{name} {rule}, got {got if len(got) <= 80 else got[:77] + '...'}")
 
     @property
     def constrained(self) -> bool:

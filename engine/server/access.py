@@ -1,9 +1,10 @@
 """Who may call the server: an API key, cross-origin browsers, TLS.
 
 ``api_key_middleware(key)``: every route (``/v1/*``, ``/tokenize``, ``/detokenize``) answers 401
-with an OpenAI error object unless the request carries ``Authorization: Bearer <key>`` (compared in
-constant time); ``OPEN_ROUTES`` (``/health``, ``/metrics``, ``/version``) stay open, as do
-``OPTIONS`` preflights.
+unless the request carries ``Authorization: Bearer <key>`` or, as Anthropic's clients send it,
+``x-api-key: <key>`` (compared in constant time, as bytes: a header that is not ASCII is just a
+wrong key); the error is an OpenAI error object, or Anthropic's on ``ANTHROPIC_ROUTES``.
+``OPEN_ROUTES`` (``/health``, ``/metrics``, ``/version``) stay open, as do ``OPTIONS`` preflights.
 ``cors_middleware(origins)``: answers a browser's preflight and adds ``Access-Control-Allow-*``
 headers for the listed origins (``*`` for any); without it (the default) no CORS header is sent
 and browsers on other origins are refused by their own same-origin rule.
@@ -17,19 +18,32 @@ import ssl
 
 from aiohttp import web
 
-API_KEY_ENV = "AGENT_INFER_API_KEY"
 OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})
+ANTHROPIC_ROUTES = "/v1/messages"  # the prefix of Anthropic's routes
 CORS_METHODS = "GET, POST, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type"
+CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 
 
-def _unauthorized(message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error object for an HTTP ``status``."""
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+    return {"type": "error", "error": {"type": kinds.get(status, "api_error" if status >= 500 else
+                                                           "invalid_request_error"), "message": message}}
+
+
+def _unauthorized(request: web.Request, message: str) -> web.Response:
+    if request.path.startswith(ANTHROPIC_ROUTES):
+        body = anthropic_error(401, message)
+    else:
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                          "code": "invalid_api_key"}}
     return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def api_key_middleware(key: str):
-    """A middleware refusing requests (but to ``OPEN_ROUTES``) without ``Authorization: Bearer key`` (401)."""
+    """A middleware refusing requests (but to ``OPEN_ROUTES``) without ``Authorization: Bearer key``
+    or ``x-api-key: key`` (401)."""
     if not key:
         raise ValueError("the API key must not be empty")
     expected = key.encode()
@@ -39,10 +53,13 @@ def api_key_middleware(key: str):
         if request.method == "OPTIONS" or request.path in OPEN_ROUTES:
             return await handler(request)
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
-        if not hmac.compare_digest(given.strip().encode(), expected):
-            return _unauthorized("incorrect API key")
+        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        if not given:
+            return _unauthorized(request, "missing API key: send the header 'Authorization: Bearer <key>' "
+                                          "(or 'x-api-key: <key>')")
+        # header bytes that are not UTF-8 arrive as surrogates: as bytes they are a wrong key
+        if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected):
+            return _unauthorized(request, "incorrect API key")
         return await handler(request)
 
     return check_api_key

@@ -2,22 +2,35 @@
 
 Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /v1/models``,
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with
-``stream``), ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count",
-"max_model_len"}``) and ``POST /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``). With an API key
-every route but ``/health``, ``/metrics`` and ``/version`` needs it. Chat outputs are read by the
-tool-call and reasoning parsers (``engine.server.chat_output``); a constrained request's grammar
-is compiled off the event loop before it reaches the engine. Errors are OpenAI error objects:
-400 for a malformed or invalid request, 401 without the API key, 404 for an unknown route or
-model, 500 when the engine failed on the request, 503 while shutting down. Without max_tokens a
-completion gets 16 tokens and a chat completion the whole room left, each capped by max_model_len.
-SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503, in-flight ones finish for up to
-``--shutdown-timeout`` seconds, then the rest end with an error. A second signal stops at once.
-Under torchrun rank 0 serves; every rank steps.
+``stream``), the Responses API's ``POST /v1/responses`` (``engine.server.responses``), Anthropic's
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (``engine.server.anthropic``),
+``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count", "max_model_len"}``)
+and ``POST /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``). With an API key every route but
+``/health``, ``/metrics`` and ``/version`` needs it. Every API takes the one path to the engine
+(``engine.server.generation``); chat outputs are read by the tool-call and reasoning parsers
+(``engine.server.chat_output``); a constrained request's grammar is compiled off the event loop
+before it reaches the engine.
+
+The event loop only reads bodies (at most ``--max-body-mib``) and moves bytes: parsing a body,
+validating it, rendering the chat template and tokenizing run on a pool of request worker threads
+(``--request-workers``, default from the cores), each check linear in the request's size and every
+list capped where it enters (``RequestLimits``), so no request can stall the others.
+
+Errors are error objects in each API's shape: 400 for a malformed or invalid request (one log line,
+no traceback), 401 without the API key, 404 for an unknown route or model, 413 for a body over
+``--max-body-mib`` (8), 415 for a body that is not JSON, 429 when a client has too many grammars
+compiling, 500 when the engine failed on the request (logged with its traceback), 503 while
+shutting down. Without max_tokens a completion gets 16 tokens and a chat completion the whole room
+left, each capped by max_model_len. SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503, in-flight ones
+finish for up to ``--shutdown-timeout`` seconds, then the rest end with an error. A second signal
+stops at once. An engine that keeps failing its steps ends the server (``engine_loop``: exit code
+1, for a supervisor to restart it). Under torchrun rank 0 serves; every rank steps.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import importlib.metadata
@@ -29,17 +42,20 @@ import ssl
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from aiohttp import web
 
 from engine.engine_args import EngineArgs
 from engine.output_processor import RequestOutput
-from engine.server import reasoning
+from engine.server import anthropic, reasoning, responses
 from engine.server.access import api_key_middleware, cors_middleware, ssl_context
 from engine.server.chat_output import ChatParsing, ChatStream
-from engine.server.engine_loop import EngineLoop, Stream, mirror_rank0
+from engine.server.engine_loop import EngineLoop, mirror_rank0
+from engine.server.generation import Generation, sse_response
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import MAX_BODY_BYTES, APIError, GenerationRequest, OpenAIProtocol, parse_json, usage
+from engine.server.protocol import GenerationRequest, OpenAIProtocol
+from engine.server.request_body import APIError, RequestLimits, check_content_type, parse_json
 from engine.server.tool_parsers import tool_parser
 from engine.structured.spec import StructuredOutputError, StructuredSpec
 
@@ -48,20 +64,29 @@ log = logging.getLogger("engine.server")
 
 @web.middleware
 async def _error_objects(request: web.Request, handler):
-    """Every failure becomes an OpenAI error object; the server keeps serving."""
+    """Every failure becomes an error object; the server keeps serving. A client's fault is one
+    log line; a failure of the server's own is logged with its traceback."""
     try:
         return await handler(request)
     except APIError as e:
+        log.log(logging.ERROR if e.status >= 500 else logging.INFO, "%s %s: %d %s", request.method, request.path,
+                e.status, e.message[:200])
         return web.json_response(e.body(), status=e.status)
     except web.HTTPException as e:  # the router's 404 / 405, an over-large body's 413
         if e.status < 400:
             raise
-        error = APIError(e.status, f"{e.reason}: {request.method} {request.path}",
+        error = APIError(e.status, f"{e.reason}: {request.method} {request.path[:200]}",
                          code=e.reason.lower().replace(" ", "_"))
         return web.json_response(error.body(), status=e.status)
     except Exception as e:
-        log.exception("request %s %s failed", request.method, request.path)
+        log.exception("request %s %s failed", request.method, request.path[:200])
         return web.json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
+
+
+def default_request_workers() -> int:
+    """Request worker threads: one per core, 2 to 8 (tokenizing releases the GIL and takes a core;
+    the engine thread needs one too)."""
+    return max(2, min(8, os.cpu_count() or 1))
 
 
 class OpenAIServer:
@@ -73,11 +98,13 @@ class OpenAIServer:
     architecture's default, read when a request first uses tools; "none": tools are refused),
     ``reasoning_parser`` (None: off), ``chat_template`` (replaces the tokenizer's), ``api_key``
     (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
-    HTTPS). Parser names given are checked here; the agent path runs only for what uses it."""
+    HTTPS). Parser names given are checked here; the agent path runs only for what uses it.
+    ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests."""
 
     def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
-                 allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None):
+                 allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None,
+                 limits: RequestLimits = RequestLimits(), request_workers: int | None = None):
         engine = engine_loop.engine
         self.engine_loop, self.model_name = engine_loop, model_name
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
@@ -85,17 +112,23 @@ class OpenAIServer:
             self._check_parser_names(tool_call_parser, reasoning_parser)
         self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size,
                                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                                       chat_template=chat_template, architecture=engine.config.architecture)
+                                       chat_template=chat_template, generation_config=engine.generation_config,
+                                       architecture=engine.config.architecture, limits=limits)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.done = asyncio.Event()
+        self.workers = concurrent.futures.ThreadPoolExecutor(request_workers or default_request_workers(),
+                                                             thread_name_prefix="request-worker")
         middlewares = self._access(api_key, allowed_origins or []) if api_key or allowed_origins else []
         self.ssl_context = self._tls(*ssl_files) if ssl_files else None
-        self.app = web.Application(middlewares=[*middlewares, _error_objects], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[_error_objects, *middlewares], client_max_size=limits.body_mib << 20)
         self.app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
                              web.get("/version", self.version), web.get("/v1/models", self.models),
                              web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
+                             web.post("/v1/responses", self.responses),
+                             web.post("/v1/messages", self.messages),
+                             web.post("/v1/messages/count_tokens", self.count_tokens),
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
         self.app.on_shutdown.append(self._stop_engine_loop)
         self._runner: web.AppRunner | None = None
@@ -125,6 +158,7 @@ class OpenAIServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     async def _stop_engine_loop(self, app: web.Application) -> None:
         await asyncio.to_thread(self.engine_loop.stop)
@@ -150,11 +184,16 @@ class OpenAIServer:
     def _tls(certfile: str, keyfile: str) -> ssl.SSLContext:
         return ssl_context(certfile, keyfile)
 
-    async def _compile(self, spec: StructuredSpec) -> None:
-        """Compile ``spec`` off the event loop (the engine's own compile is then a cache hit); a
-        spec the compiler refuses is a 400 naming its field."""
+    async def _compile(self, spec: StructuredSpec, client: str) -> None:
+        """Compile ``spec`` off the event loop (the engine's own compile is then a cache hit), in
+        ``client``'s turn; a spec the compiler refuses is a 400 naming its field, a client with too
+        many compiles queued a 429."""
+        from engine.structured.compiler import GrammarBusy
+
         try:
-            await self.engine_loop.engine.grammar_compiler.compile_async(spec)
+            await self.engine_loop.engine.grammar_compiler.compile_async(spec, client=client)
+        except GrammarBusy as e:
+            raise APIError(429, str(e), param=e.param, code="too_many_grammars") from None
         except StructuredOutputError as e:
             raise APIError(400, str(e), param=e.param) from None
 
@@ -177,6 +216,18 @@ class OpenAIServer:
         more, finish_reason = stream.finish(update.finish_reason)
         return deltas + more, finish_reason
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: ``engine.server.responses``."""
+        return await responses.create(self, request)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/messages``: ``engine.server.anthropic``."""
+        return await anthropic.create_message(self, request)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """``POST /v1/messages/count_tokens``: ``engine.server.anthropic``."""
+        return await anthropic.count_tokens(self, request)
+
     # ---- routes -------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
@@ -198,89 +249,79 @@ class OpenAIServer:
         return web.json_response({"version": importlib.metadata.version("agent-infer")})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        tokens = self.protocol.tokenize(parse_json(await request.read()))
+        tokens = await self.parse(request, self.protocol.tokenize)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response({"prompt": self.protocol.detokenize(parse_json(await request.read()))})
+        return web.json_response({"prompt": await self.parse(request, self.protocol.detokenize)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, self.protocol.completion(parse_json(await request.read())))
+        return await self._generate(request, await self.parse(request, self.protocol.completion))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, self.protocol.chat(parse_json(await request.read())))
+        return await self._generate(request, await self.parse(request, self.protocol.chat))
 
-    # ---- generation ---------------------------------------------------------------------------
+    # ---- the path to the engine ---------------------------------------------------------------
+
+    async def parse(self, request: web.Request, parse: Callable[[dict], Any]) -> Any:
+        """The request's body read on the event loop (bytes only, at most ``--max-body-mib``), then
+        decoded and checked and given to ``parse`` (an API's body -> what it asks) on a request
+        worker thread: whatever grows with the request runs off the event loop."""
+        check_content_type(request.headers.get("Content-Type"))
+        raw = await request.read()
+        return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: parse(parse_json(raw)))
+
+    async def generation(self, request: web.Request, gen: GenerationRequest) -> Generation:
+        """``gen`` on the engine, its grammar compiled first (in the turn of the client's address)."""
+        if gen.structured is not None:
+            await self._compile(gen.structured, request.remote or "")
+        return Generation(self.engine_loop, gen)
 
     async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
-        if gen.structured is not None:
-            await self._compile(gen.structured)
-        bell = asyncio.Event()
-        streams = [Stream(c.prompt_token_ids, c.params, c.index, bell) for c in gen.choices]
-        try:
-            for s in streams:
-                self.engine_loop.submit(s)
-        except RuntimeError as e:  # draining or stopped
-            raise APIError(503, str(e)) from None
+        generation = await self.generation(request, gen)
         try:
             if gen.stream:
-                return await self._stream(request, gen, streams, bell)
-            return await self._answer(gen, streams, bell)
+                return await self._stream(request, generation)
+            return await self._answer(generation)
         finally:  # a client gone (the handler cancelled) or an error: end what is still running
-            for s in streams:
-                self.engine_loop.abort(s)
+            generation.close()
 
-    async def _answer(self, gen: GenerationRequest, streams: list[Stream], bell: asyncio.Event) -> web.Response:
-        texts, logprobs, counts = [[] for _ in streams], [[] for _ in streams], [0] * len(streams)
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        while not all(finals):
-            await bell.wait()
-            bell.clear()
-            for i, s in enumerate(streams):
-                update = s.take()
-                if update is None:
-                    continue
-                texts[i].append(update.text)
-                logprobs[i] += update.logprobs or []
-                counts[i] += len(update.token_ids)
-                if update.finished:
-                    finals[i] = update
-                    _raise_if_failed(update)
-        choices = []
-        for s, parts, items, final in zip(streams, texts, logprobs, finals):
-            text, lp = "".join(parts), self.protocol.logprobs_object(gen.chat, items) if gen.logprobs else None
+    async def _answer(self, generation: Generation) -> web.Response:
+        gen, choices, outputs = generation.gen, [], await generation.outputs()
+        for s, out in zip(generation.streams, outputs):
+            text, lp = out.text, self.protocol.logprobs_object(gen.chat, out.logprobs) if gen.logprobs else None
             if gen.echo:
-                text, lp = self._echoed(gen, s, final, text, items)
-            choice = self.protocol.choice(gen.chat, s.index, text, final.finish_reason, lp)
+                text, lp = self._echoed(gen, s.prompt_token_ids, out.final, text, out.logprobs)
+            choice = self.protocol.choice(gen.chat, s.index, text, out.final.finish_reason, lp)
             if gen.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self.protocol.prompt_logprobs_object(final.prompt_logprobs,
+                choice["prompt_logprobs"] = self.protocol.prompt_logprobs_object(out.final.prompt_logprobs,
                                                                                  gen.prompt_logprobs)
             choices.append(choice if gen.parsing is None else self._parsed_message(gen.parsing, choice))
+        num_tokens = 0 if gen.drop_output else sum(out.num_tokens for out in outputs)
         return web.json_response({**self.protocol.head(gen.chat, stream=False), "choices": choices,
-                                  "usage": _usage(gen, 0 if gen.drop_output else sum(counts), finals)})
+                                  "usage": generation.usage(num_tokens)})
 
-    def _echoed(self, gen: GenerationRequest, s: Stream, update: RequestOutput, text: str,
+    def _echoed(self, gen: GenerationRequest, prompt_token_ids: list[int], update: RequestOutput, text: str,
                 items: list) -> tuple[str, dict | None]:
         """An echoed completion choice's first (or whole) text and its logprobs object (None: not
         asked): the prompt's text and logprobs, then the output's (none when it is dropped, max_tokens
         0), whose text offsets count from the prompt text's end."""
         if gen.drop_output:
             text, items = "", []
-        prompt_text, lp = self.protocol.tokenizer.decode(s.prompt_token_ids), None
+        prompt_text, lp = self.protocol.tokenizer.decode(prompt_token_ids), None
         if gen.logprobs:
-            echoed = self.protocol.echoed_logprobs(s.prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
+            echoed = self.protocol.echoed_logprobs(prompt_token_ids, update.prompt_logprobs, gen.num_logprobs)
             lp = self.protocol.logprobs_object(False, items, len(prompt_text))
             lp = {k: v + lp[k] for k, v in self.protocol.logprobs_object(False, echoed).items()}
         return prompt_text + text, lp
 
-    async def _stream(self, request: web.Request, gen: GenerationRequest, streams: list[Stream],
-                      bell: asyncio.Event) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, generation: Generation) -> web.StreamResponse:
         """Server-Sent Events: a chunk per step that produced tokens for a choice (clients see the
         time of every token, as TTFT / ITL measure it), the finish reasons, a usage chunk if
         asked, then ``data: [DONE]``. The engine holds back text that could still become a stop
         string (``OutputProcessor``), so the streamed text equals the non-streaming text."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        gen, streams = generation.gen, generation.streams
+        response = await sse_response(request)
         head = self.protocol.head(gen.chat, stream=True)
 
         async def send(data: dict | str) -> None:
@@ -288,78 +329,52 @@ class OpenAIServer:
 
         sent = [0] * len(streams)         # characters sent
         tokens = [0] * len(streams)
-        finals: list[RequestOutput | None] = [None] * len(streams)
         parsers = None if gen.parsing is None else [self._chat_stream(gen.parsing) for _ in streams]
         try:
             if gen.chat:
                 for s in streams:
                     await send({**head, "choices": [self.protocol.delta(True, s.index, "", None, None, opening=True)]})
-            while not all(finals):
-                await bell.wait()
-                bell.clear()
-                for i, s in enumerate(streams):
-                    update = s.take() if finals[i] is None else None
-                    if update is None:
-                        continue
-                    if update.finished:
-                        finals[i] = update
-                        try:
-                            _raise_if_failed(update)
-                        except APIError as e:
-                            await send(e.body())
-                            raise _StreamEnded from None
-                    lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
-                          if gen.logprobs and update.logprobs else None)
-                    if gen.echo:
-                        text, lp = (self._echoed(gen, s, update, update.text, update.logprobs or []) if tokens[i] == 0
-                                    else ("", None) if gen.drop_output else (update.text, lp))
-                        update = dataclasses.replace(update, text=text)
-                    if parsers is None:
-                        delta = self.protocol.delta(gen.chat, s.index, update.text, update.finish_reason, lp)
-                        if gen.prompt_logprobs is not None and tokens[i] == 0:
-                            delta["prompt_logprobs"] = self.protocol.prompt_logprobs_object(update.prompt_logprobs,
-                                                                                            gen.prompt_logprobs)
-                        await send({**head, "choices": [delta]})
-                    else:  # one chunk per delta the parsers make; the logprobs ride on the first
-                        deltas, finish_reason = self._parsed_deltas(parsers[i], update)
-                        if deltas or lp is not None or update.finished:
-                            deltas = deltas or [{}]
-                            for k, delta in enumerate(deltas):
-                                await send({**head, "choices": [{
-                                    "index": s.index, "delta": delta, "logprobs": lp if k == 0 else None,
-                                    "finish_reason": finish_reason if k == len(deltas) - 1 else None}]})
-                    sent[i] += len(update.text)
-                    tokens[i] += len(update.token_ids)
+            async for i, update in generation.updates():
+                s = streams[i]
+                lp = (self.protocol.logprobs_object(gen.chat, update.logprobs, sent[i])
+                      if gen.logprobs and update.logprobs else None)
+                if gen.echo:
+                    text, lp = (self._echoed(gen, s.prompt_token_ids, update, update.text, update.logprobs or [])
+                                if tokens[i] == 0 else ("", None) if gen.drop_output else (update.text, lp))
+                    update = dataclasses.replace(update, text=text)
+                if parsers is None:
+                    delta = self.protocol.delta(gen.chat, s.index, update.text, update.finish_reason, lp)
+                    if gen.prompt_logprobs is not None and tokens[i] == 0:
+                        delta["prompt_logprobs"] = self.protocol.prompt_logprobs_object(update.prompt_logprobs,
+                                                                                        gen.prompt_logprobs)
+                    await send({**head, "choices": [delta]})
+                else:  # one chunk per delta the parsers make; the logprobs ride on the first
+                    deltas, finish_reason = self._parsed_deltas(parsers[i], update)
+                    if deltas or lp is not None or update.finished:
+                        deltas = deltas or [{}]
+                        for k, delta in enumerate(deltas):
+                            await send({**head, "choices": [{
+                                "index": s.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                                "finish_reason": finish_reason if k == len(deltas) - 1 else None}]})
+                sent[i] += len(update.text)
+                tokens[i] += len(update.token_ids)
             if gen.include_usage:
-                await send({**head, "choices": [], "usage": _usage(gen, 0 if gen.drop_output else sum(tokens),
-                                                                    finals)})
+                await send({**head, "choices": [], "usage": generation.usage(0 if gen.drop_output else sum(tokens))})
             await send("[DONE]")
             await response.write_eof()
-        except (ConnectionResetError, _StreamEnded):  # the client went away, or an error chunk ended it
+        except APIError as e:  # a choice failed: an error chunk ends the stream, without [DONE]
+            await _quietly(send(e.body()))
+        except ConnectionResetError:  # the client went away
             pass
         return response
 
 
-def _usage(gen: GenerationRequest, num_completion_tokens: int, finals: list[RequestOutput]) -> dict:
-    """The usage object of a finished request: each prompt's cached tokens counted once (its first choice's)."""
-    cached: dict[int, int] = {}
-    for choice, final in zip(gen.choices, finals):
-        cached.setdefault(choice.prompt_index, final.num_cached_tokens)
-    return usage(gen.num_prompt_tokens, num_completion_tokens, sum(f.num_draft_tokens for f in finals),
-                 sum(f.num_accepted_tokens for f in finals), sum(cached.values()))
-
-
-class _StreamEnded(Exception):
-    """An error chunk was sent: the stream ends without [DONE]."""
-
-
-def _raise_if_failed(update: RequestOutput) -> None:
-    if update.finish_reason == "rejected":
-        raise APIError(400, f"the engine rejected the request: {update.reject_reason}", code="rejected")
-    if update.finish_reason == "error":
-        raise APIError(500, update.error or "the engine failed on this request")
-    if update.finish_reason == "abort":
-        raise APIError(503, update.error or "the request was aborted")
+async def _quietly(write) -> None:
+    """``await write``, unless the client has gone."""
+    try:
+        await write
+    except ConnectionResetError:
+        pass
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -367,22 +382,29 @@ def _raise_if_failed(update: RequestOutput) -> None:
 def add_serve_command(commands) -> None:
     """Add ``serve`` to the ``python -m engine`` subcommands."""
     parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                                 description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
-                                             "/detokenize, /version, /health and /metrics. Under torchrun rank 0 "
-                                             "serves; SIGTERM or SIGINT drains (a second one stops at once) and "
-                                             "stops every rank.")
+                                 description="Serve /v1/completions, /v1/chat/completions, /v1/responses, "
+                                             "/v1/messages (Anthropic), /v1/messages/count_tokens, /v1/models, "
+                                             "/tokenize, /detokenize, /version, /health and /metrics. Under torchrun "
+                                             "rank 0 serves; SIGTERM or SIGINT drains (a second one stops at once) "
+                                             "and stops every rank.")
     EngineArgs.add_cli_args(parser)
     http = parser.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)")
     http.add_argument("--served-model-name", default=None,
-                      help="the model name requests give (default: the model directory's name)")
+                      help="the model name requests give (default: the --model Hub id as given, else the model "
+                           "directory's name)")
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="on SIGTERM, seconds the requests in flight may take to finish (default 30)")
     http.add_argument("--stats-interval", type=float, default=10.0,
                       help="seconds between the stats lines logged while busy (default 10)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log level (default info: a line per finished request and the stats lines)")
+    http.add_argument("--request-workers", type=int, default=None, metavar="N",
+                      help="threads that parse, validate and tokenize requests off the event loop "
+                           f"(default: one per core, 2 to 8; {default_request_workers()} here)")
+    RequestLimits.add_cli_args(parser.add_argument_group("request limits (each checked before any work that grows "
+                                                         "with it)"))
     agents = parser.add_argument_group("agents and access")
     agents.add_argument("--tool-call-parser", default=None,
                         help="how tool calls are read from the output: hermes (Qwen's <tool_call> blocks), "
@@ -415,11 +437,12 @@ def serve(args: argparse.Namespace) -> int:
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     engine_loop = EngineLoop(engine, ServerMetrics(args.stats_interval))
     try:
-        server = OpenAIServer(engine_loop, args.served_model_name or Path(engine.model_dir).name,
+        server = OpenAIServer(engine_loop, args.served_model_name or engine.engine_config.model.name,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               chat_template=chat_template, api_key=args.api_key,
                               allowed_origins=args.allowed_origins,
-                              ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
+                              ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
+                              limits=RequestLimits.from_cli_args(args), request_workers=args.request_workers)
         asyncio.run(_serve(server, args.host, args.port, args.shutdown_timeout))
     finally:
         engine_loop.stop()

@@ -4,15 +4,17 @@ time (``CallScanner``); both take exactly the same texts.
 The object is ``{"name": <string>, "arguments": <object>}`` in that order, ``"parameters"``
 accepted for ``"arguments"`` (Llama 3), or ``{"name": <string>}`` for a call without arguments;
 any other key, another key order, or arguments that are not an object (a JSON-encoded string, for
-one) is not a call. Whitespace may stand between tokens. A call's arguments are the model's JSON
-with the whitespace between tokens removed (``compact``): ``json.loads`` of them is the parsed
-object, and the model's escapes and number spellings are kept, so the stream can send them
-as they come. No arguments read as ``{}``.
+one) is not a call, and with ``names`` given (the request's functions) neither is an object
+naming another function. Whitespace may stand between tokens. A call's arguments are the model's
+JSON with the whitespace between tokens removed (``compact``): ``json.loads`` of them is the parsed
+object, and the model's escapes and number spellings are kept, so the stream can send them as they
+come. No arguments read as ``{}``.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Container
 
 from engine.server.json_stream import WS, JsonScanner
 
@@ -36,14 +38,17 @@ def compact(json_text: str) -> str:
     return _TOKENS.sub(lambda m: m.group(1) or "", json_text)
 
 
-def parse_call(text: str, pos: int) -> tuple[str, str, int] | None:
+def parse_call(text: str, pos: int, names: Container[str] | None = None) -> tuple[str, str, int] | None:
     """The call object at ``text[pos:]`` (after optional whitespace) as ``(name, arguments, end)``,
-    ``end`` just past its closing brace; ``None`` when there is none there."""
+    ``end`` just past its closing brace; ``None`` when there is none there (or its name is not in
+    ``names``; ``None``: any name)."""
     head = _HEAD.match(text, pos)
     if head is None or not text.startswith('"', head.end()):  # the name is a string (numbers decode to str here)
         return None
     try:
         name, end = _DECODER.raw_decode(text, head.end())
+        if names is not None and name not in names:
+            return None
         if (sep := _ARGUMENTS.match(text, end)) is None:
             return None
         if sep.group(1):
@@ -64,17 +69,21 @@ _AFTER_NAME = _GRAMMAR.index(("}", ","))
 
 
 class CallScanner:
-    """A call object fed a character at a time (leading whitespace allowed).
+    """A call object fed a character at a time (leading whitespace allowed), its name one of
+    ``names`` (``None``: any).
 
     ``push(ch)`` returns ``None`` when ``ch`` cannot continue a call object (the scanner is then
-    spent), else the text ``ch`` adds to the arguments (``""`` for the object's own structure).
+    spent; a name not in ``names`` breaks it with its closing quote), else the text ``ch`` adds to
+    the arguments (``""`` for the object's own structure).
     ``committed`` turns true when the name is known and the text is a call whatever follows: with
     the arguments' opening brace, or with the closing brace of a call without arguments (whose
-    push returns ``"{}"``). ``done`` turns true with the object's closing brace.
+    push returns ``"{}"``). ``done`` turns true with the object's closing brace. ``name`` is set
+    with the name's closing quote.
     """
 
-    def __init__(self):
+    def __init__(self, names: Container[str] | None = None):
         self.name: str | None = None
+        self._names = names
         self.committed = self.done = False
         self._at = 0                          # index into _GRAMMAR
         self._literal = ""                    # the current literal token's characters so far
@@ -113,6 +122,9 @@ class CallScanner:
             self.committed = True
         if self._value.done:
             if token == "name":
-                self.name = json.loads(self._name_text)
+                name = json.loads(self._name_text)
+                if self._names is not None and name not in self._names:
+                    return None
+                self.name = name
             self._value, self._at = None, self._at + 1
         return kept if token == "arguments" else ""

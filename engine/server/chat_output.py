@@ -4,9 +4,20 @@ whole (``message``) or as the text streams (``ChatStream``).
 
 Without either parser the output is the message's ``content`` as generated. With a reasoning
 parser the message gains ``reasoning_content``; with tool calls in it, ``tool_calls`` and the
-finish reason ``tool_calls`` (a choice cut by ``max_tokens`` keeps ``length``). Streamed, the
-deltas of a choice joined the way the OpenAI SDK joins them equal the whole message (the one
-exception, a tool call broken after it was announced, is ``engine.server.tool_parsers``').
+finish reason ``tool_calls`` (a choice cut by ``max_tokens`` keeps ``length``). The request's
+tool fields shape what is read (``engine.server.tool_parsers``' module docstring has the rules):
+
+- only calls of the request's functions are calls; a call object naming another stays content;
+- ``parallel_tool_calls: false`` keeps the first call and drops the calls after it (neither calls
+  nor content: vLLM's rule); the text around them is content as it would be without the option;
+- a forced call (``tool_choice`` required or named) is read as the one call the grammar makes the
+  model write: ``content`` is ``None`` and no content delta is streamed; an output cut off by
+  ``max_tokens`` gives the call with its arguments written so far (not valid JSON) once its name
+  is complete, and the finish reason ``length``.
+
+Streamed, the deltas of a choice joined the way the OpenAI SDK joins them equal the whole message
+(the one exception, a call that is not forced broken after it was announced, is
+``engine.server.tool_parsers``').
 """
 from __future__ import annotations
 
@@ -20,11 +31,20 @@ from engine.server.tool_parsers import tool_parser
 class ChatParsing:
     """How one chat request's output is read: the tool-call parser's name (None: the request's
     tools are not read, e.g. ``tool_choice: "none"``) and the reasoning parser's (None: none),
-    with the rendered ``prompt`` (a reasoning template may open the block in the prompt)."""
+    with the rendered ``prompt`` (a reasoning template may open the block in the prompt); the
+    names of the request's functions (a call of no other is read: empty, none is), whether its
+    tool choice forces a call (``required`` or a named function) and its ``parallel_tool_calls``."""
 
     tools: str | None = None
     reasoning: str | None = None
     prompt: str = ""
+    tool_names: frozenset[str] = frozenset()
+    forced: bool = False
+    parallel_tool_calls: bool = True
+
+    def _tool_parser(self):
+        """The request's tool-call parser (``tools`` is not None)."""
+        return tool_parser(self.tools, names=self.tool_names, forced=self.forced)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a whole output, and its finish reason."""
@@ -33,7 +53,9 @@ class ChatParsing:
             message["reasoning_content"], message["content"] = reasoning_parser(self.reasoning, self.prompt).extract(
                 text)
         if self.tools is not None:
-            message["content"], calls = tool_parser(self.tools).extract(message["content"] or "")
+            message["content"], calls = self._tool_parser().extract(message["content"] or "")
+            if not self.parallel_tool_calls:
+                calls = calls[:1]
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 finish_reason = _with_calls(finish_reason)
@@ -55,7 +77,8 @@ class ChatStream:
     def __init__(self, parsing: ChatParsing):
         self._reasoning = None if parsing.reasoning is None else reasoning_parser(parsing.reasoning,
                                                                                   parsing.prompt).stream()
-        self._tools = None if parsing.tools is None else tool_parser(parsing.tools).stream()
+        self._tools = None if parsing.tools is None else parsing._tool_parser().stream()
+        self._calls = None if parsing.parallel_tool_calls else 1  # how many calls are sent (None: all)
         self._called = False
 
     def feed(self, text: str) -> list[dict]:
@@ -66,7 +89,7 @@ class ChatStream:
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         deltas = self._read(self._reasoning.finish()) if self._reasoning else []
         if self._tools is not None:
-            deltas += self._note(self._tools.finish())
+            deltas += self._kept(self._tools.finish())
         return deltas, _with_calls(finish_reason) if self._called else finish_reason
 
     def _read(self, deltas: list[dict]) -> list[dict]:
@@ -75,9 +98,12 @@ class ChatStream:
             return deltas
         out = []
         for delta in deltas:
-            out += self._note(self._tools.feed(delta["content"])) if "content" in delta else [delta]
+            out += self._kept(self._tools.feed(delta["content"])) if "content" in delta else [delta]
         return out
 
-    def _note(self, deltas: list[dict]) -> list[dict]:
+    def _kept(self, deltas: list[dict]) -> list[dict]:
+        """The parser's deltas less those of the calls not sent (each call delta holds one call)."""
+        if self._calls is not None:
+            deltas = [d for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] < self._calls]
         self._called = self._called or any("tool_calls" in d for d in deltas)
         return deltas

@@ -13,7 +13,11 @@ rank then adds, aborts and steps the same requests in the same order (request id
 identical on every rank). The other ranks only mirror (``mirror_rank0``).
 
 Error policy: in one process a step that raises fails the requests of the steps in flight (an
-error answer each; the engine goes on). Under TP it is fatal: the rank that raised missed its
+error answer each; the engine goes on), so a request that breaks a step harms only its batch. Steps
+that fail ``MAX_FAILED_STEPS`` times in a row mean the engine itself is broken (a device error that
+stays): the loop ends, every stream gets the error, ``/health`` answers 503 and ``serve`` exits
+with status 1, for a supervisor to restart it, rather than staying up half-alive. Under TP it is
+fatal at once: the rank that raised missed its
 peers' collectives, so the loop ends without sending anything more (a stop message could meet a
 peer waiting in another collective), every stream gets the error, and the process exits; the
 peers' next collective fails or torchrun stops them. A failure outside a step still sends the
@@ -40,6 +44,7 @@ log = logging.getLogger("engine.server")
 
 HEARTBEAT_S = 5.0  # an idle rank 0 still sends a header this often, far inside the collective timeout
 STALL_S = 120.0  # an iteration with work pending taking longer than this: /health says so
+MAX_FAILED_STEPS = 3  # steps failing in a row: the engine is broken, not a request
 
 
 class Stream:
@@ -185,6 +190,7 @@ class EngineLoop:
         self._stop_sent = False
         self._busy_since: float | None = None  # when the current step started (None: not stepping)
         self._failed_in_step = False
+        self._failed_steps = 0  # steps failed in a row
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @property
@@ -278,7 +284,10 @@ class EngineLoop:
                     break
                 if commands or engine.has_unfinished_requests():
                     self._busy_since = time.monotonic()
-                    run_step(engine)
+                    error = run_step(engine)
+                    self._failed_steps = self._failed_steps + 1 if error else 0
+                    if self._failed_steps >= MAX_FAILED_STEPS:
+                        raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps failed in a row, the last: {error}")
                     self._busy_since = None
                 self._publish()
                 self.metrics.observe(engine)

@@ -1,13 +1,18 @@
 """The OpenAI protocol: request bodies parsed and validated into engine requests, and the response
 objects (JSON, SSE chunks, logprobs, usage, errors).
 
-Every field is checked here, where the request enters, with vLLM's semantics where OpenAI is
-silent: a request the engine could not run is a 400 naming the field, never a failure inside a
-step. Every field is honoured or refused: OpenAI's fields that mean nothing to a server like
-this one (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored, as
-OpenAI-compatible servers do; a field this server knows but does not implement is refused when
-it asks for something (``REFUSED``: ``suffix``, a ``priority`` other than 0, chat's ``echo``,
-``prompt_logprobs`` and ``add_special_tokens``); any other field is a 400 naming it.
+Every field is checked here, where the request enters (on a request worker thread, never the
+event loop), with vLLM's semantics where OpenAI is silent: a request the engine could not run is
+a 400 naming the field, never a failure inside a step. Every list is capped before any work that
+grows with it (``RequestLimits``; stop strings, stop token ids and bad words at the engine's
+caps), every check is linear, and no error echoes a large input back. Every field is honoured or
+refused: OpenAI's fields that mean nothing to a server like this one (``IGNORED_FIELDS``: ``user``,
+``metadata``, ``store``, ``verbosity``, ``prompt_cache_key`` ...) are accepted and ignored, as
+OpenAI-compatible servers do; ``reasoning_effort`` reaches the chat template (``"none"`` turns
+thinking off where the template reads ``enable_thinking``); a field this server knows but does not
+implement is refused when it asks for something (``REFUSED``: ``suffix``, a ``priority`` other than
+0, chat's ``echo``, ``prompt_logprobs`` and ``add_special_tokens``, ``audio``, ...); any other
+field is a 400 naming it (a typo is caught).
 
 Completions take ``echo`` (the prompt's text, its token ids decoded, before each choice's text;
 with ``logprobs: N`` the choice's logprobs cover the prompt tokens first, the first one with a
@@ -35,7 +40,6 @@ request leaves out take the checkpoint's ``generation_config.json`` values, then
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -43,8 +47,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sequence import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from engine.sampling_defaults import OPENAI, sampling_defaults
+from engine.sequence import MAX_BAD_WORDS, MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.server.chat_output import ChatParsing
+from engine.server.request_body import APIError, RequestLimits, bounded_int, check_fields, field, shown
 from engine.server.tool_parsers import default_tool_parser, tool_parser
 from engine.server.tools import ToolRequest, ToolRequestError, call_schema, messages_for_template, validate_tools
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
@@ -53,8 +59,11 @@ log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16  # choices per prompt
-MAX_BODY_BYTES = 32 << 20
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}  # OpenAI's, meaningless here: accepted
+MAX_BAD_WORD_CHARS = 256
+# The field policy (README, "Fields"): OpenAI's fields that mean nothing to a server like this one
+# are accepted and ignored, as OpenAI-compatible servers do; a field of no API served is a 400.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "verbosity", "prediction"}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
                  "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
@@ -62,65 +71,16 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "b
                  "bad_words", "include_stop_str_in_output", "skip_special_tokens"} | IGNORED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens", "echo", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls", "chat_template_kwargs"}
+                               "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
 # fields this server knows and does not implement (where the request kind does not take them):
 # refused unless they ask for nothing (one of these values)
 REFUSED = {"echo": (False, None), "suffix": (None, ""), "add_special_tokens": (None, False),
-           "prompt_logprobs": (None,), "priority": (None, 0), "lora_path": (None,)}
-# sampling fields generation_config.json may give defaults for (vLLM's), and OpenAI's own defaults
-GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+           "prompt_logprobs": (None,), "priority": (None, 0), "lora_path": (None,), "audio": (None,),
+           "web_search_options": (None,), "functions": (None,), "function_call": (None,)}
+MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}  # developer is rendered as system
 # chat_template_kwargs the server sets itself
 RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
                             "continue_final_message", "return_dict", "chat_template"}
-
-
-class APIError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object; NaN and Infinity (not JSON) are refused."""
-    def refuse(constant: str):
-        raise ValueError(f"{constant} is not a JSON number")
-
-    try:
-        body = json.loads(raw, parse_constant=refuse)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
-
-
-def field(body: dict, name: str, kind: type, default: Any = None) -> Any:
-    """``body[name]`` checked to be a ``kind`` (a float may be given as an int; a bool is never a
-    number); ``default`` when absent or null; else a 400 naming the field."""
-    value = body.get(name)
-    if value is None:
-        return default
-    types = (int, float) if kind is float else kind
-    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
-        raise APIError(400, f"'{name}' must be {_TYPE_NAMES[kind]}, got {json.dumps(value)[:50]}", param=name)
-    return value
-
-
-def _bounded_int(body: dict, name: str, low: int, high: int, default: int | None) -> int | None:
-    value = field(body, name, int, default)
-    if value is not None and not low <= value <= high:
-        raise APIError(400, f"'{name}' must be an integer in [{low}, {high}], got {value}", param=name)
-    return value
 
 
 @dataclass
@@ -157,28 +117,37 @@ class OpenAIProtocol:
     (``engine.server.tool_parsers``; "none": tools are refused; None: the default of the
     checkpoint's ``architecture``, read when a request first uses tools) reads tool calls,
     ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
-    tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults)."""
+    tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults,
+    ``engine.sampling_defaults``); ``limits`` caps the lists a request may hold.
+
+    Its methods are called from any thread (the server's request workers): they keep no state
+    but a cache of token texts. A text prompt longer than ``max_prompt_chars`` (``max_model_len``
+    times the longest token's characters: it cannot fit, whatever it encodes to) is refused
+    before it is encoded."""
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
                  tool_call_parser: str | None = "none", reasoning_parser: str | None = None,
-                 chat_template: str | None = None, generation_config: dict | None = None, architecture: str = ""):
+                 chat_template: str | None = None, generation_config: dict | None = None, architecture: str = "",
+                 limits: RequestLimits = RequestLimits()):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.architecture = architecture
         self.chat_template = chat_template
-        self.defaults = sampling_defaults(generation_config or {})
+        self.defaults = sampling_defaults(generation_config or {}, OPENAI)
+        self.limits = limits
+        self.max_prompt_chars = max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
         self._token_text: dict[int, str] = {}
 
     # ---- requests ----------------------------------------------------------------------------
 
     def completion(self, body: dict) -> GenerationRequest:
-        self._check_fields(body, COMPLETION_FIELDS)
-        logprobs = _bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
+        check_fields(body, COMPLETION_FIELDS, REFUSED)
+        logprobs = bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
         prompts = self._completion_prompts(body.get("prompt"), field(body, "add_special_tokens", bool, False))
         echo = field(body, "echo", bool, False)
-        prompt_logprobs = _bounded_int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
-        max_tokens = _bounded_int(body, "max_tokens", 0 if echo else 1, MAX_SEED, None)
+        prompt_logprobs = bounded_int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+        max_tokens = bounded_int(body, "max_tokens", 0 if echo else 1, MAX_SEED, None)
         structured = self._structured(body) if _constrained(body) else None
         gen = self._request(body, prompts, 1 if max_tokens == 0 else max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
                             logprobs, chat=False, structured=structured)
@@ -189,14 +158,16 @@ class OpenAIProtocol:
                                    drop_output=max_tokens == 0)
 
     def chat(self, body: dict) -> GenerationRequest:
-        self._check_fields(body, CHAT_FIELDS)
+        check_fields(body, CHAT_FIELDS, REFUSED)
         logprobs = None
         if field(body, "logprobs", bool, False):
-            logprobs = _bounded_int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
+            logprobs = bounded_int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
         elif body.get("top_logprobs") is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        max_tokens = _bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
-                                  _bounded_int(body, "max_tokens", 1, MAX_SEED, None))
+        max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
+                                  bounded_int(body, "max_tokens", 1, MAX_SEED, None))
+        if body.get("modalities") not in (None, ["text"]):
+            raise APIError(400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities")
         if self.reasoning_parser is not None or _uses_agent_features(body):
             rendered, structured, parsing = self._agent_chat(body)
         else:
@@ -212,8 +183,7 @@ class OpenAIProtocol:
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise APIError(400, "'messages' must be a non-empty array of objects", param="messages")
-        rendered = self._render_chat(messages_for_template(messages), tools.tools,
-                                     field(body, "chat_template_kwargs", dict, {}))
+        rendered = self._render_chat(messages_for_template(messages), tools.tools, self._template_kwargs(body))
         structured = self._structured(body) if _constrained(body) else None
         if tools.tool_choice == "required":
             if structured is not None:
@@ -224,7 +194,25 @@ class OpenAIProtocol:
                                         parser.call_suffix)
         reads_tools = bool(tools.tools) and tools.tool_choice != "none"
         return rendered, structured, ChatParsing(self._tool_call_parser() if reads_tools else None,
-                                                 self.reasoning_parser, rendered)
+                                                 self.reasoning_parser, rendered, tool_names=tools.names,
+                                                 forced=tools.tool_choice == "required",
+                                                 parallel_tool_calls=tools.parallel_tool_calls)
+
+    def _template_kwargs(self, body: dict) -> dict:
+        """The chat template's arguments: ``chat_template_kwargs``, with ``reasoning_effort`` (as
+        templates such as gpt-oss's read it) and, for ``"none"``, ``enable_thinking: false`` where
+        the template reads that (Qwen3's); what ``chat_template_kwargs`` sets wins."""
+        kwargs = dict(field(body, "chat_template_kwargs", dict, {}))
+        effort = field(body, "reasoning_effort", str)
+        if effort is None:
+            return kwargs
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{shown(effort)}", param="reasoning_effort")
+        template = self.chat_template or self.tokenizer.chat_template
+        if effort == "none" and isinstance(template, str) and "enable_thinking" in template:
+            kwargs.setdefault("enable_thinking", False)
+        return {"reasoning_effort": effort, **kwargs}
 
     def _tool_call_parser(self) -> str:
         """The tool-call parser's name: the one given, else the architecture's default."""
@@ -233,7 +221,7 @@ class OpenAIProtocol:
     def _tool_request(self, body: dict) -> ToolRequest:
         """The request's tool fields, checked; tools to read need a tool-call parser."""
         try:
-            tools = validate_tools(body)
+            tools = validate_tools(body, self.limits.tools, self.limits.history_tool_calls)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         if tools.tools and tools.tool_choice != "none" and self._tool_call_parser() == "none":
@@ -254,8 +242,8 @@ class OpenAIProtocol:
                  logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
                  parsing: ChatParsing | None = None) -> GenerationRequest:
         self._check_model(body)
-        n = _bounded_int(body, "n", 1, MAX_N, 1)
-        best_of = _bounded_int(body, "best_of", 1, MAX_N, n)
+        n = bounded_int(body, "n", 1, MAX_N, 1)
+        best_of = bounded_int(body, "best_of", 1, MAX_N, n)
         if best_of != n:
             raise APIError(400, f"'best_of' must equal 'n' ({n}) here, got {best_of}", param="best_of")
         params = dataclasses.replace(self._sampling_params(body, logprobs), structured=structured)
@@ -270,34 +258,28 @@ class OpenAIProtocol:
         return GenerationRequest(choices, sum(map(len, prompts)), stream, include_usage, chat, logprobs is not None,
                                  structured, parsing)
 
-    @staticmethod
-    def _check_fields(body: dict, known: set[str]) -> None:
-        """Every field is known here, or refused naming it (``REFUSED``: unless it asks for nothing)."""
-        for name, value in body.items():
-            if name in known:
-                continue
-            if name in REFUSED:
-                if not any(value == v and type(value) is type(v) for v in REFUSED[name]):
-                    raise APIError(400, f"'{name}' is not supported by this server", param=name)
-            else:
-                raise APIError(400, f"unknown field '{name}'", param=name)
-
     def _check_model(self, body: dict) -> None:
         model = field(body, "model", str)
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(404, f"the model {shown(model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     def _sampling_params(self, body: dict, logprobs: int | None) -> SamplingParams:
         """The request's sampling fields as SamplingParams (max_tokens set per prompt later); a 400
         naming the field for a wrong type or value."""
-        stop = []
+        stop: dict[str, None] = {}  # in order, each once
         for name in ("stop", "until"):  # lm-eval's harness sends its stop strings as ``until`` too
             value = [] if body.get(name) is None else body[name]
             if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)):
                 raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
-            stop += [value] if isinstance(value, str) else [s for s in value if s not in stop]
+            if not isinstance(value, str) and len(value) > MAX_STOP_STRINGS:
+                raise APIError(400, f"'{name}' must hold at most {MAX_STOP_STRINGS} stop strings", param=name)
+            stop.update(dict.fromkeys([value] if isinstance(value, str) else value))
+        stop = list(stop)
         stop_ids = field(body, "stop_token_ids", list, [])
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"'stop_token_ids' must hold at most {MAX_STOP_TOKEN_IDS} token ids",
+                           param="stop_token_ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
             raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {self.vocab_size})",
                            param="stop_token_ids")
@@ -330,19 +312,23 @@ class OpenAIProtocol:
     def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
         """OpenAI's ``{"token id": bias}``: ids (decimal strings) in [0, vocab), biases in [-100, 100]."""
         pairs = []
-        for key, bias in field(body, "logit_bias", dict, {}).items():
+        biases = field(body, "logit_bias", dict, {})
+        self.limits.check(biases, "logit_bias", "logit_bias")
+        for key, bias in biases.items():
             token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
             if not self._token_id(token_id):
-                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got {key!r}",
-                               param="logit_bias")
+                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got "
+                                    f"{shown(key)}", param="logit_bias")
             if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
-                raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(bias)}",
+                raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {shown(bias)}",
                                param="logit_bias")
             pairs.append((token_id, float(bias)))
         return tuple(pairs)
 
     def _allowed_token_ids(self, body: dict) -> tuple[int, ...] | None:
         allowed = field(body, "allowed_token_ids", list)
+        if allowed is not None:
+            self.limits.check(allowed, "allowed_token_ids", "allowed_token_ids")
         if allowed is not None and not (allowed and all(map(self._token_id, allowed))):
             raise APIError(400, f"'allowed_token_ids' must be a non-empty array of token ids in [0, {self.vocab_size})",
                            param="allowed_token_ids")
@@ -350,18 +336,20 @@ class OpenAIProtocol:
 
     def _bad_words(self, body: dict) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as it tokenises alone and after a space (vLLM's rule: banned at
-        the start of the text and inside it); a word that tokenises to nothing is a 400."""
+        the start of the text and inside it); a word that tokenises to nothing is a 400. At most
+        ``MAX_BAD_WORDS`` words of at most ``MAX_BAD_WORD_CHARS`` characters, checked before any
+        is encoded."""
         words = field(body, "bad_words", list, [])
-        if not all(isinstance(w, str) for w in words):
-            raise APIError(400, "'bad_words' must be an array of strings", param="bad_words")
-        sequences: list[tuple[int, ...]] = []
+        if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and len(w) <= MAX_BAD_WORD_CHARS for w in words):
+            raise APIError(400, f"'bad_words' must be an array of at most {MAX_BAD_WORDS} strings of at most "
+                                f"{MAX_BAD_WORD_CHARS} characters", param="bad_words")
+        sequences: dict[tuple[int, ...], None] = {}  # in order, each once
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
                 if not ids:
-                    raise APIError(400, f"the bad word {word!r} tokenises to nothing", param="bad_words")
-                if ids not in sequences:
-                    sequences.append(ids)
+                    raise APIError(400, f"the bad word {shown(word)} tokenises to nothing", param="bad_words")
+                sequences[ids] = None
         return tuple(sequences)
 
     def _completion_prompts(self, prompt: Any, add_special_tokens: bool = False) -> list[list[int]]:
@@ -372,8 +360,10 @@ class OpenAIProtocol:
 
         if isinstance(prompt, str) or is_ids(prompt):
             prompt = [prompt]
-        elif not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
-                                                            all(is_ids(p) for p in prompt))):
+        elif isinstance(prompt, list):
+            self.limits.check(prompt, "prompts", "prompt")
+        if not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                         all(is_ids(p) for p in prompt))):
             raise APIError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
                                 "array of token-id arrays (not a mix of strings and token ids)", param="prompt")
         for p in prompt:
@@ -383,22 +373,28 @@ class OpenAIProtocol:
 
     def _render_chat(self, messages: Any, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
-        ``template_kwargs`` go to the template (``enable_thinking``, ...)."""
+        ``template_kwargs`` go to the template (``enable_thinking``, ...). Roles are OpenAI's
+        (``developer`` is rendered as ``system``); content is a string or an array of text parts
+        (null for an assistant message with tool_calls)."""
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty array", param="messages")
+        self.limits.check(messages, "messages", "messages")
         rendered = []
         for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                                 and isinstance(p.get("text"), str) for p in content):
-                content = "".join(p["text"] for p in content)
-            calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
-                    (isinstance(content, str) or content is None and calls)):
-                raise APIError(400, "each message must be an object with a string 'role' and a 'content' string "
-                                    "(or an array of text parts; null for an assistant message with tool_calls)",
-                               param=f"messages[{i}]")
-            rendered.append({**m, "content": content})
+            if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+                raise APIError(400, f"each message must be an object whose 'role' is one of "
+                                    f"{', '.join(sorted(MESSAGE_ROLES))}", param=f"messages[{i}].role")
+            content = m.get("content")
+            if isinstance(content, list):
+                self.limits.check(content, "content_parts", f"messages[{i}].content")
+                if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                    content = "".join(p["text"] for p in content)
+            if not (isinstance(content, str) or content is None and m["role"] == "assistant" and m.get("tool_calls")):
+                raise APIError(400, "a message's 'content' must be a string or an array of text parts (null for "
+                                    "an assistant message with tool_calls)", param=f"messages[{i}].content")
+            role = "system" if m["role"] == "developer" else m["role"]
+            rendered.append({**m, "role": role, "content": content})
         template_kwargs = template_kwargs or {}
         bad = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:
@@ -410,9 +406,14 @@ class OpenAIProtocol:
             return self.tokenizer.apply_chat_template(rendered, tools=tools or None, chat_template=self.chat_template,
                                                       add_generation_prompt=True, tokenize=False, **template_kwargs)
         except Exception as e:  # jinja2 errors, e.g. a template's raise_exception for a role order
-            raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+            raise APIError(400, f"the chat template failed: {shown(str(e), 300)}", param="messages") from None
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        """``text`` as token ids (a 400 when it cannot fit or encodes to nothing)."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's maximum context "
+                                f"length of {self.max_model_len} tokens (max_model_len) can hold",
+                           param=param, code="context_length_exceeded")
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # as LLMEngine.add_request(str)
         if not token_ids:
             raise APIError(400, "the prompt encodes to no tokens", param=param)
@@ -441,7 +442,7 @@ class OpenAIProtocol:
     def tokenize(self, body: dict) -> list[int]:
         """A /tokenize body, ``{"prompt": text}`` (encoded as a completion's prompt; with
         ``add_special_tokens``) or ``{"messages": [...]}`` (rendered as a chat's), as token ids."""
-        self._check_fields(body, {"model", "prompt", "messages", "add_special_tokens"})
+        check_fields(body, {"model", "prompt", "messages", "add_special_tokens"}, {})
         self._check_model(body)
         if ("prompt" in body) == ("messages" in body):
             raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
@@ -451,7 +452,7 @@ class OpenAIProtocol:
 
     def detokenize(self, body: dict) -> str:
         """A /detokenize body, ``{"tokens": [ids]}``, as text."""
-        self._check_fields(body, {"model", "tokens"})
+        check_fields(body, {"model", "tokens"}, {})
         self._check_model(body)
         tokens = field(body, "tokens", list, [])
         if not all(map(self._token_id, tokens)):
@@ -539,19 +540,9 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: 
     return counts
 
 
-def sampling_defaults(generation_config: dict) -> dict:
-    """A request's sampling defaults: the checkpoint's ``generation_config.json`` values where it
-    gives them (vLLM's rule), else OpenAI's (``GENERATION_DEFAULTS``)."""
-    defaults = dict(GENERATION_DEFAULTS)
-    for name, default in GENERATION_DEFAULTS.items():
-        value = generation_config.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            defaults[name] = type(default)(value)
-    return defaults
-
-
 AGENT_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "response_format",
-                     "structured_outputs")
+                     "structured_outputs", "reasoning_effort")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
 
 
 def _constrained(body: dict) -> bool:

@@ -5,6 +5,10 @@ streams (``stream()``: an object whose ``feed(delta)`` and ``finish()`` return O
 ``delta`` objects). Model output never raises: what is not a well-formed call stays in the content.
 A call's ``arguments`` are its JSON object as the model wrote it, less the whitespace between
 tokens (``engine.server.call_object``). ``content`` is ``None`` when there is no content text.
+A parser made for a request knows the names of its functions (``names``; ``None``: any name, for
+text read outside a request): a call object naming another function is no call and stays content,
+like a malformed block (vLLM's rule), whole and streamed; the stream knows the name before it
+commits to a call, so it never announces one.
 
 - ``hermes`` (Qwen2.5, Qwen3): ``<tool_call>`` + call object + ``</tool_call>`` blocks, anywhere
   in the text, the last one's closing tag optional at the end of the output. Whitespace right
@@ -25,7 +29,15 @@ arguments have opened) and releases it as content when it cannot. The one except
 object that breaks after it was announced (invalid JSON inside the arguments, the output cut
 off inside them, text other than ``</tool_call>`` after a hermes block) cannot be taken back;
 the stream ends that call there and reads on as text, while the whole parse leaves the block in
-the content. Structured outputs (``tool_choice`` required or named) rule that out.
+the content. A forced call (below) rules that out.
+
+Forced (``tool_parser(..., forced=True)``, ``ForcedCallParser``): with ``tool_choice`` required or
+named the grammar has the model write exactly ``call_prefix`` + one call object + ``call_suffix``,
+so the output is that call and never content (``content`` is always ``None``, and no content
+delta is streamed). The call comes with its arguments as written so far once its name is complete,
+also when ``max_tokens`` cut the output off inside it (its ``arguments`` are then not valid JSON;
+the finish reason, ``length``, says so); an output cut before the name is complete has no call.
+Stream and whole parse agree without exception (the stream announces the call with its name).
 
 ids come from the parser's ``new_id`` (default ``random_call_id``), one per call in order, so a
 stream and a whole parse given the same id source give the same ids.
@@ -35,6 +47,7 @@ from __future__ import annotations
 import secrets
 import string
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,10 +82,10 @@ class _Stream:
     """What the format streams share: the characters still to read (text pushed back to be read
     again goes first), the deltas, and the call being read, announced once committed. A format
     defines ``_step(ch)`` (read one character) and ``finish()`` (the deltas for what it held back
-    at the end of the output)."""
+    at the end of the output). A call object names one of ``names`` (``None``: any)."""
 
-    def __init__(self, new_id: Callable[[], str]):
-        self._new_id = new_id
+    def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
+        self._new_id, self._names = new_id, names
         self._deltas = Deltas()
         self._pending: deque[str] = deque()
         self._calls = 0                      # calls announced so far
@@ -111,14 +124,14 @@ class HermesToolParser:
     # what tool_choice required / named has the model write: prefix + call object + suffix
     call_prefix, call_suffix, arguments_key = "<tool_call>\n", "\n</tool_call>", "arguments"
 
-    def __init__(self, new_id: Callable[[], str] = random_call_id):
-        self.new_id = new_id
+    def __init__(self, new_id: Callable[[], str] = random_call_id, names: Container[str] | None = None):
+        self.new_id, self.names = new_id, names
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls, pos = [], [], 0
         while (start := text.find(self.OPEN, pos)) != -1:
             after_tag = start + len(self.OPEN)
-            call = parse_call(text, after_tag)
+            call = parse_call(text, after_tag, self.names)
             end = call and self._block_end(text, call[2])
             if end is None:  # no call: the tag is text
                 content.append(text[pos:after_tag])
@@ -139,15 +152,15 @@ class HermesToolParser:
         return len(text) if after == len(text) else None
 
     def stream(self) -> HermesStream:
-        return HermesStream(self.new_id)
+        return HermesStream(self.new_id, self.names)
 
 
 class HermesStream(_Stream):
     """The hermes format read as it streams. Modes: text (watching for ``<tool_call>``), call
     (inside the object), end (after it, watching for ``</tool_call>``)."""
 
-    def __init__(self, new_id: Callable[[], str]):
-        super().__init__(new_id)
+    def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
+        super().__init__(new_id, names)
         self._to_text(strip=False)
         self._opening = ""   # the held whitespace and <tool_call> tag of the block being read
         self._raw = ""       # the block's text after its tag, until the call commits
@@ -161,7 +174,7 @@ class HermesStream(_Stream):
             self._deltas.text("content", released)
             if found:
                 self._mode, self._opening, self._raw = "call", self._watch.held, ""
-                self._call = CallScanner()
+                self._call = CallScanner(self._names)
         elif self._mode == "call":
             if not self._call.committed:
                 self._raw += ch
@@ -206,15 +219,15 @@ class Llama3JsonToolParser:
     PYTHON_TAG = "<|python_tag|>"
     call_prefix, call_suffix, arguments_key = "", "", "parameters"
 
-    def __init__(self, new_id: Callable[[], str] = random_call_id):
-        self.new_id = new_id
+    def __init__(self, new_id: Callable[[], str] = random_call_id, names: Container[str] | None = None):
+        self.new_id, self.names = new_id, names
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls, rest = [], 0  # rest: where the content starts
         pos = _skip_ws(text, 0)
         if text.startswith(self.PYTHON_TAG, pos):
             pos = _skip_ws(text, pos + len(self.PYTHON_TAG))
-        while text.startswith("{", pos) and (call := parse_call(text, pos)) is not None:
+        while text.startswith("{", pos) and (call := parse_call(text, pos, self.names)) is not None:
             calls.append(ToolCall(self.new_id(), call[0], call[1]))
             rest = pos = _skip_ws(text, call[2])
             if not text.startswith(";", pos):
@@ -223,7 +236,7 @@ class Llama3JsonToolParser:
         return text[rest:] or None, calls
 
     def stream(self) -> Llama3JsonStream:
-        return Llama3JsonStream(self.new_id)
+        return Llama3JsonStream(self.new_id, self.names)
 
 
 class Llama3JsonStream(_Stream):
@@ -231,8 +244,8 @@ class Llama3JsonStream(_Stream):
     call, after (a call ended), separator (after ``;``), text (the rest is content). ``_held`` is
     the text since the last call (or the start) while it may still lead to a call."""
 
-    def __init__(self, new_id: Callable[[], str]):
-        super().__init__(new_id)
+    def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
+        super().__init__(new_id, names)
         self._mode, self._held = "start", ""
 
     def _step(self, ch: str) -> None:
@@ -251,7 +264,7 @@ class Llama3JsonStream(_Stream):
             elif ch not in WS:
                 self._to_text(ch)
         elif ch == "{" and (self._mode == "separator" or self._opens_calls(self._held)):
-            self._mode, self._call = "call", CallScanner()
+            self._mode, self._call = "call", CallScanner(self._names)
             self._step(ch)
         else:
             self._held += ch
@@ -283,8 +296,8 @@ class NoToolParser:
     """``none``: the output is content."""
     call_prefix = call_suffix = arguments_key = None
 
-    def __init__(self, new_id: Callable[[], str] = random_call_id):
-        self.new_id = new_id
+    def __init__(self, new_id: Callable[[], str] = random_call_id, names: Container[str] | None = None):
+        self.new_id, self.names = new_id, names
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return text or None, []
@@ -307,14 +320,83 @@ class ContentStream:
         return []
 
 
+class ForcedCallParser:
+    """The one call a forced tool choice has the model write, after ``prefix`` (the format's
+    ``call_prefix``); never content (module docstring)."""
+
+    def __init__(self, prefix: str, new_id: Callable[[], str] = random_call_id,
+                 names: Container[str] | None = None):
+        self.prefix, self.new_id, self.names = prefix, new_id, names
+
+    def extract(self, text: str) -> tuple[None, list[ToolCall]]:
+        stream = self.stream()
+        stream.feed(text)
+        return None, [] if stream.call is None else [stream.call]
+
+    def stream(self) -> ForcedCallStream:
+        return ForcedCallStream(self.prefix, self.new_id, self.names)
+
+
+class ForcedCallStream:
+    """The forced call read as it streams: the prefix's characters passed over, then the call
+    object until it ends or breaks; the rest (the suffix) is not read. The call is announced when
+    its name is complete; ``call`` is the call read so far (``None`` before its name)."""
+
+    def __init__(self, prefix: str, new_id: Callable[[], str], names: Container[str] | None):
+        self._prefix, self._new_id = prefix, new_id  # _prefix: what of it is still to come
+        self._scanner, self._reading = CallScanner(names), True
+        self._id: str | None = None
+        self._name: str | None = None
+        self._arguments: list[str] = []
+        self._deltas = Deltas()
+
+    @property
+    def call(self) -> ToolCall | None:
+        return None if self._id is None else ToolCall(self._id, self._name, "".join(self._arguments))
+
+    def feed(self, delta: str) -> list[dict]:
+        for ch in delta:
+            self._step(ch)
+        return self._deltas.take()
+
+    def _step(self, ch: str) -> None:
+        if self._prefix:
+            if ch == self._prefix[0]:
+                self._prefix = self._prefix[1:]
+                return
+            self._prefix = ""  # not what the grammar writes: read on as the call object
+        if not self._reading:
+            return
+        fragment = self._scanner.push(ch)
+        self._reading = fragment is not None and not self._scanner.done
+        if fragment is None:
+            return
+        if self._id is None and self._scanner.name is not None:
+            self._id, self._name = self._new_id(), self._scanner.name
+            self._deltas.tool_call(0, self._id, self._name)
+        self._arguments.append(fragment)
+        self._deltas.arguments(0, fragment)
+
+    def finish(self) -> list[dict]:
+        return self._deltas.take()
+
+
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "none": NoToolParser}
 
 
-def tool_parser(name: str, new_id: Callable[[], str] = random_call_id):
-    """The parser ``--tool-call-parser name`` selects, for one request (its ids from ``new_id``)."""
+def tool_parser(name: str, new_id: Callable[[], str] = random_call_id, names: Container[str] | None = None,
+                forced: bool = False):
+    """The parser ``--tool-call-parser name`` selects, for one request: its ids from ``new_id``, its
+    calls to the functions ``names`` (``None``: any name); ``forced``: the request's tool choice
+    forces one call (``ForcedCallParser`` with the format's prefix)."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser: unknown parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name](new_id)
+    parser = TOOL_PARSERS[name](new_id, names)
+    if not forced:
+        return parser
+    if parser.call_prefix is None:
+        raise ValueError(f"--tool-call-parser {name} reads no calls, so it cannot read a forced one")
+    return ForcedCallParser(parser.call_prefix, new_id, names)
 
 
 def default_tool_parser(architecture: str) -> str:

@@ -2,15 +2,21 @@
 JSON schema a forced call must follow (``call_schema``), and the messages as chat templates take
 them (``messages_for_template``).
 
-Checked: ``tools`` (each ``{"type": "function", "function": {"name", "description"?,
-"parameters"?, "strict"?}}``, names unique and ``[a-zA-Z0-9_-]{1,64}``, ``parameters`` a JSON
-schema (Draft 2020-12) of type object), ``tool_choice`` (``"none" | "auto" | "required" |
-{"type": "function", "function": {"name": <a tool>}}``; ``"required"`` and a named function need
-tools), ``parallel_tool_calls`` (a boolean), and in ``messages`` the assistant ``tool_calls``
-(``id``, ``type: "function"``, ``function.name``, ``function.arguments``: a JSON object as text)
-and the ``tool`` messages (``tool_call_id``: a string naming an earlier assistant tool call).
-Unknown keys inside a tool or a tool choice are refused. Every error is a ``ToolRequestError``
-whose message starts with the field's path (``tools[1].function.parameters: ...``).
+Checked: ``tools`` (at most ``max_tools``, OpenAI's 128 by default; each ``{"type": "function",
+"function": {"name", "description"?, "parameters"?, "strict"?}}``, names unique and
+``[a-zA-Z0-9_-]{1,64}``, ``parameters`` a JSON schema (Draft 2020-12) of type object),
+``tool_choice`` (``"none" | "auto" | "required" | {"type": "function", "function": {"name": <a
+tool>}}``; ``"required"`` and a named function need tools), ``parallel_tool_calls`` (a boolean),
+and in ``messages`` the assistant ``tool_calls`` (at most ``max_history_calls`` in all; ``id``:
+1 to 256 letters, digits, ``_ - . :``; ``type: "function"``; ``function.name``: a function name
+as above, whether or not the request still offers it; ``function.arguments``: a JSON object as
+text) and the ``tool`` messages (``tool_call_id``: a string naming an earlier assistant tool
+call). Names and ids are checked because chat templates write them into the prompt as they are
+(``"name": "{{ name }}"``): one holding quotes or a template's special tokens would write turns of
+its own. Unknown keys inside a tool or a tool choice are refused. Every error is a
+``ToolRequestError`` whose message starts with the field's path (``tools[1].function.parameters:
+...``) and never echoes more than ~100 characters of the input. The checks are linear in the
+body's size.
 """
 from __future__ import annotations
 
@@ -20,8 +26,13 @@ from dataclasses import dataclass
 
 from jsonschema import Draft202012Validator, SchemaError
 
+from engine.server.request_body import RequestLimits, clipped
+
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_CALL_ID = re.compile(r"[a-zA-Z0-9_.:-]{1,256}")  # OpenAI's call_..., vLLM's chatcmpl-tool-..., Kimi's functions.f:0
 _CHOICES = ("none", "auto", "required")
+MAX_TOOLS = RequestLimits.tools  # OpenAI's own limit
+MAX_HISTORY_CALLS = RequestLimits.history_tool_calls
 
 
 class ToolRequestError(ValueError):
@@ -39,23 +50,32 @@ class ToolRequest:
     function: str | None        # ... with its name here
     parallel_tool_calls: bool
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The names of the request's functions (the only calls its output may hold)."""
+        return frozenset(tool["function"]["name"] for tool in self.tools)
 
-def validate_tools(body: dict) -> ToolRequest:
+
+def validate_tools(body: dict, max_tools: int = MAX_TOOLS, max_history_calls: int = MAX_HISTORY_CALLS) -> ToolRequest:
     """The tool fields of a chat request body, checked (see the module docstring)."""
     tools = body.get("tools")
     if tools is None:
         tools = []
     if not isinstance(tools, list):
         raise ToolRequestError("tools", "must be an array")
-    names = [_check_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
-    for i, name in enumerate(names):
-        if name in names[:i]:
+    if len(tools) > max_tools:
+        raise ToolRequestError("tools", f"holds {len(tools)} tools; at most {max_tools} are taken")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = _check_tool(tool, f"tools[{i}]")
+        if name in names:
             raise ToolRequestError(f"tools[{i}].function.name", f"{name!r} names two tools")
+        names.add(name)
     choice, function = _check_choice(body.get("tool_choice"), names)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolRequestError("parallel_tool_calls", "must be a boolean")
-    _check_messages(body.get("messages"))
+    _check_messages(body.get("messages"), max_history_calls)
     return ToolRequest(tools, choice, function, parallel is not False)
 
 
@@ -87,12 +107,12 @@ def _check_parameters(schema, where: str) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
-        raise ToolRequestError(where, f"not a JSON schema: {e.message}") from None
+        raise ToolRequestError(where, f"not a JSON schema: {clipped(e.message)}") from None
     if schema.get("type", "object") != "object":
         raise ToolRequestError(where, "must be a JSON schema of type 'object' (arguments are an object)")
 
 
-def _check_choice(choice, names: list[str]) -> tuple[str, str | None]:
+def _check_choice(choice, names: set[str]) -> tuple[str, str | None]:
     if choice is None:
         return ("auto" if names else "none"), None
     if isinstance(choice, str):
@@ -110,15 +130,16 @@ def _check_choice(choice, names: list[str]) -> tuple[str, str | None]:
     _known_keys(choice["function"], {"name"}, "tool_choice.function")
     name = choice["function"]["name"]
     if name not in names:
-        raise ToolRequestError("tool_choice", f"unknown function {name!r}")
+        raise ToolRequestError("tool_choice", f"unknown function {clipped(repr(name))}")
     return "required", name
 
 
-def _check_messages(messages) -> None:
+def _check_messages(messages, max_calls: int) -> None:
     """The tool parts of ``messages``; the rest (roles, content) is the protocol's to check."""
     if not isinstance(messages, list):
         return
     call_ids: set[str] = set()
+    calls = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             continue
@@ -126,6 +147,10 @@ def _check_messages(messages) -> None:
         if m.get("role") == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list):
                 raise ToolRequestError(f"{where}.tool_calls", "must be an array")
+            calls += len(m["tool_calls"])
+            if calls > max_calls:
+                raise ToolRequestError(f"{where}.tool_calls", f"the messages hold more than {max_calls} tool calls "
+                                                              "in all")
             for j, call in enumerate(m["tool_calls"]):
                 call_ids.add(_check_message_call(call, f"{where}.tool_calls[{j}]"))
         elif m.get("role") == "tool":
@@ -135,7 +160,8 @@ def _check_messages(messages) -> None:
             if not isinstance(call_id, str):
                 raise ToolRequestError(f"{where}.tool_call_id", "must be a string")
             if call_id not in call_ids:
-                raise ToolRequestError(f"{where}.tool_call_id", f"{call_id!r} answers no earlier tool call")
+                raise ToolRequestError(f"{where}.tool_call_id",
+                                       f"{clipped(repr(call_id))} answers no earlier tool call")
 
 
 def _check_message_call(call, where: str) -> str:
@@ -143,11 +169,15 @@ def _check_message_call(call, where: str) -> str:
         raise ToolRequestError(where, "must be an object")
     if not isinstance(call.get("id"), str):
         raise ToolRequestError(f"{where}.id", "must be a string")
+    if not _CALL_ID.fullmatch(call["id"]):
+        raise ToolRequestError(f"{where}.id", "must be 1 to 256 letters, digits, '_', '-', '.' or ':'")
     if call.get("type", "function") != "function":
         raise ToolRequestError(f"{where}.type", "must be 'function'")
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ToolRequestError(f"{where}.function", "must be an object with a string 'name'")
+    if not _NAME.fullmatch(function["name"]):
+        raise ToolRequestError(f"{where}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         raise ToolRequestError(f"{where}.function.arguments", "must be a string (a JSON object)")
@@ -161,9 +191,9 @@ def _check_message_call(call, where: str) -> str:
 
 
 def _known_keys(obj: dict, known: set[str], where: str) -> None:
-    unknown = sorted(set(obj) - known)
+    unknown = [key for key in obj if key not in known]
     if unknown:
-        raise ToolRequestError(f"{where}.{unknown[0]}", "unknown field")
+        raise ToolRequestError(f"{where}.{clipped(min(unknown))}", "unknown field")
 
 
 def call_schema(request: ToolRequest, arguments_key: str = "arguments") -> dict | None:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.server.app import OpenAIServer
-from engine.server.engine_loop import EngineLoop
+from engine.server.engine_loop import EngineLoop, mirror_rank0
 from engine.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 
@@ -46,6 +47,21 @@ def make_word_checkpoint(path: Path, seed: int = 0, chat_template: str | None = 
     if chat_template is not None:
         config_file = path / "tokenizer_config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": chat_template}))
+    return path
+
+
+def make_text_checkpoint(path: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
+                         **overrides) -> Path:
+    """A tiny random Qwen3 with the demo model's byte-level tokenizer (vocabulary 8192; its
+    <|endoftext|>, id 0, is the EOS), so any text encodes as it would for a real checkpoint, and
+    ``chat_template``; ``overrides`` replace entries of the tiny config."""
+    make_tiny_checkpoint(path, "Qwen3ForCausalLM", seed, vocab_size=8192, **overrides)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, "bos_token_id": 0, "eos_token_id": 0}))
+    (path / "tokenizer.json").write_bytes((DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes())
+    config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     return path
 
 
@@ -84,6 +100,28 @@ def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | No
         event_loop.call_soon_threadsafe(event_loop.stop)
         thread.join(10)
         event_loop.close()
+
+
+# a TP worker waits this long for rank 0's stop (on a fresh GPU host the first requests also compile
+# float32 kernels: 44 s seen)
+TP_STOP_TIMEOUT_S = 120
+
+
+def mirror_until_stopped(engine) -> None:
+    """``mirror_rank0`` on a thread: fails when rank 0's stop has not come within TP_STOP_TIMEOUT_S."""
+    errors = []
+
+    def run():
+        try:
+            mirror_rank0(engine)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(TP_STOP_TIMEOUT_S)
+    assert not thread.is_alive(), f"rank {engine.tp.rank} is still mirroring: rank 0's stop never came"
+    assert not errors, errors
 
 
 def wait_idle(engine_loop: EngineLoop, timeout: float = HANG_GUARD_S) -> None:
@@ -193,6 +231,61 @@ def assert_error_object(raw: bytes, param: str | None = None, code: str | None =
     assert param is None or error["param"] == param, error
     assert code is None or error["code"] == code, error
     return error
+
+
+# An attack may slow a good client (it takes a core off-loop) but never stall it: its stream may take
+# at most this many times its quiet time, measured in the same run.
+ATTACK_SLOWDOWN = 4.0
+
+
+@dataclass
+class Witness:
+    """A good client beside attacks: one streamed greedy completion of ``prompt`` (``max_tokens``,
+    EOS ignored) whose text must not change and whose time beside an attack must stay within
+    ATTACK_SLOWDOWN times its quiet time, measured alone right before (so a machine busy with
+    other work moves both alike)."""
+    url: str
+    prompt: str = "def fibonacci(n):"
+    max_tokens: int = 96
+    text: str | None = None
+
+    def run(self, during: Callable[[], object] | None = None) -> tuple[str, float, object]:
+        """Stream the completion; once its first chunk has come, ``during()`` (an attack) runs on a
+        thread, so it overlaps the rest of the stream. Returns the text, the stream's seconds and
+        what ``during`` returned (waited for)."""
+        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        result: list = []
+        thread = None
+        start, parts = time.monotonic(), []
+        with urllib.request.urlopen(request, timeout=HANG_GUARD_S) as response:
+            for line in response:
+                if not line.startswith(b"data: {"):
+                    continue
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+                if thread is None and during is not None:
+                    thread = threading.Thread(target=lambda: result.append(during()), daemon=True)
+                    thread.start()
+        seconds = time.monotonic() - start
+        if thread is not None:
+            thread.join(HANG_GUARD_S)
+            assert not thread.is_alive(), "the attack never finished"
+        text = "".join(parts)
+        assert self.text is None or text == self.text, "a good client's greedy output changed"
+        self.text = text
+        return text, seconds, result[0] if result else None
+
+    def beside(self, attack: Callable[[], object]) -> object:
+        """Run the witness alone, then beside ``attack``: its text is unchanged and its time
+        within ATTACK_SLOWDOWN times the quiet run's; returns what the attack returned."""
+        _, quiet, _ = self.run()
+        _, seconds, outcome = self.run(attack)
+        assert seconds <= ATTACK_SLOWDOWN * quiet, (
+            f"a good client took {seconds:.2f} s beside the attack, {seconds / quiet:.1f} x its quiet "
+            f"{quiet:.2f} s (at most {ATTACK_SLOWDOWN:g} x)")
+        return outcome
 
 
 REPO = Path(__file__).resolve().parents[2]

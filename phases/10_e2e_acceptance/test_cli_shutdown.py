@@ -131,3 +131,31 @@ def test_a_rank_failing_mid_step_stops_every_rank(model_dir, failing_rank):
     finally:
         if server.process.poll() is None:
             stop_server_process(server, signal.SIGKILL)
+
+
+def test_an_engine_failing_every_step_ends_the_server(model_dir):
+    """An engine whose steps keep failing (a device error that stays: every step launch from the
+    second on raises) ends the server, exit status 1, the cause in the log, every client answered
+    with the error, rather than serving 500s forever half-alive (a step that fails once fails
+    only its requests: test_server.py)."""
+    script = REPO / "phases" / "10_e2e_acceptance" / "faulty_serve.py"
+    server = start_server_process([sys.executable, str(script), "0", "2+", "--model", str(model_dir), "--port", "0",
+                                   "--max-model-len", "64", "--served-model-name", "word"])
+    try:
+        body = {"model": "word", "prompt": PROMPTS[0], "max_tokens": 8}
+        statuses = []
+        while server.process.poll() is None and len(statuses) < 20:
+            try:
+                status, raw = http(server.url + "/v1/completions", body)
+            except OSError:  # the server has closed its socket
+                break
+            statuses.append(status)
+            if status != 503:
+                assert status == 500 and "injected failure" in assert_error_object(raw)["message"], raw
+        assert 500 in statuses
+        rc = server.process.wait(HANG_GUARD_S)
+    finally:
+        if server.process.poll() is None:
+            stop_server_process(server, signal.SIGKILL)
+    assert rc == 1, "".join(server.stderr)
+    assert "3 engine steps failed in a row" in "".join(server.stderr)

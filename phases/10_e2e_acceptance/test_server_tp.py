@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -14,12 +13,13 @@ import torch.distributed as dist
 
 from engine.llm_engine import LLMEngine
 from engine.server.app import add_serve_command, serve
-from engine.server.engine_loop import mirror_rank0
 from server_cases import (
     HANG_GUARD_S,
     PROMPTS,
+    TP_STOP_TIMEOUT_S,
     engine_cases,
     make_word_checkpoint,
+    mirror_until_stopped,
     paused_until,
     running_server,
     wait_idle,
@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU i
 
 pytestmark = pytest.mark.torchrun
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-STOP_TIMEOUT_S = 120  # on a fresh GPU host the first requests also compile float32 kernels (44 s seen)
+STOP_TIMEOUT_S = TP_STOP_TIMEOUT_S
 PAUSE_S = 30  # rank 0 waiting for its clients: the other ranks wait in a broadcast, whose timeout is 60 s
 
 
@@ -39,23 +39,6 @@ def model_dir(tp_group, tmp_path_factory):
     path = [make_word_checkpoint(tmp_path_factory.mktemp("word-model"), seed=4) if tp_group.rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
-
-
-def mirror_until_stopped(engine) -> None:
-    """``mirror_rank0`` on a thread: fails when rank 0's stop has not come within STOP_TIMEOUT_S."""
-    errors = []
-
-    def run():
-        try:
-            mirror_rank0(engine)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(STOP_TIMEOUT_S)
-    assert not thread.is_alive(), f"rank {dist.get_rank()} is still mirroring: rank 0's stop never came"
-    assert not errors, errors
 
 
 def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatch):

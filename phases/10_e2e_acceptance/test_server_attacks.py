@@ -1,0 +1,121 @@
+"""No request can stall, starve or crash the server: each attack found against it (issue 46), sent
+beside a good streaming client whose greedy text must not change and whose time must stay within
+a few times its quiet time measured in the same run; each bad input a 4xx error object that never
+echoes the input back; the server idle afterwards (every block free, /metrics at rest).
+
+The server runs a tiny random model with the demo model's byte-level tokenizer and a long
+max_model_len, so a text prompt can be long enough for its tokenizing to take seconds: where that
+runs (a request worker thread, never the event loop) is what the witness sees."""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.server.request_body import MAX_JSON_DEPTH, RequestLimits
+from server_cases import Witness, assert_error_object, http, make_text_checkpoint, metrics, running_server, wait_idle
+
+MAX_MODEL_LEN = 32768
+SMALL_ERROR = 1024  # bytes: an error object names the field and the cap, never the input
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = make_text_checkpoint(tmp_path_factory.mktemp("text-model"), seed=11,
+                                 max_position_embeddings=MAX_MODEL_LEN)
+    engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    with running_server(engine, limits=RequestLimits(prompts=8)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def witness(served):
+    return Witness(served.url)
+
+
+def post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers or {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def refused(served, path: str, body: dict | bytes, param: str | None, status: int = 400,
+            headers: dict | None = None) -> dict:
+    """``body`` sent to ``path`` is refused with ``status`` naming ``param``, in a small error object."""
+    got, raw = post(served.url + path, body, headers)
+    assert got == status, (got, raw[:300])
+    assert len(raw) < SMALL_ERROR, f"the error echoes the input back ({len(raw)} bytes)"
+    return assert_error_object(raw, param)
+
+
+def test_list_attacks_are_refused_at_their_caps_beside_a_good_stream(served, witness):
+    """40,000 bad words, 10,000 prompts, 100,000 logit_bias entries and stop token ids, 1,000 stop
+    strings, 5,000 messages of 2,000 parts: each a 400 naming the field and its cap, at once."""
+    url = "/v1/completions"
+    attacks = [  # (path, body, the field named, what the message says)
+        (url, {"prompt": "x", "bad_words": [f"word{i}" for i in range(40_000)]}, "bad_words", "at most 64 strings"),
+        (url, {"prompt": ["x"] * 10_000}, "prompt", "takes at most 8"),
+        (url, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(100_000)}}, "logit_bias", "takes at most 1024"),
+        (url, {"prompt": "x", "stop_token_ids": list(range(100_000))}, "stop_token_ids", "at most 64 token ids"),
+        (url, {"prompt": "x", "stop": ["s"] * 1000}, "stop", "at most 16 stop strings"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 5000}, "messages",
+         "takes at most 4096"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 2000}]},
+         "messages[0].content", "takes at most 1024"),
+    ]
+    for path, body, param, message in attacks:
+        error = witness.beside(lambda: refused(served, path, body, param))
+        assert message in error["message"], error
+    assert refused(served, url, {"prompt": ["x"] * 9}, "prompt")["message"].endswith("(serve --max-prompts)")
+    assert http(served.url + url, {"prompt": ["x"] * 8, "max_tokens": 1})[0] == 200  # at the cap: served
+    wait_idle(served.engine_loop)
+
+
+def test_a_huge_prompt_is_read_off_the_event_loop(served, witness):
+    """A 31 MB body is a 413 before it is decoded; a 7 MB prompt (more characters than
+    max_model_len tokens can hold) is a 400 before it is tokenised; a prompt just under that bound
+    is tokenised on a request worker while the witness streams on, then refused naming
+    max_model_len."""
+    huge = "the quick brown fox " * ((31 << 20) // 20)
+    witness.beside(lambda: refused(served, "/v1/completions", {"prompt": huge}, None, status=413))
+    error = witness.beside(lambda: refused(served, "/v1/completions", {"prompt": huge[:7 << 20]}, "prompt"))
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"], error
+    bound = served.server.protocol.max_prompt_chars
+    long = ("def f(x):\n    return x + 1\n" * (bound // 27 + 1))[:bound]
+    error = witness.beside(lambda: refused(served, "/v1/completions", {"prompt": long}, "prompt"))
+    assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"], error
+    wait_idle(served.engine_loop)
+
+
+def test_malformed_bodies_are_400s_never_500s(served, witness):
+    """Bodies nested past the depth limit, lone surrogates in a prompt, a message and /tokenize, a
+    body that is not JSON by its content type: each a 4xx error object beside the witness."""
+    deep = b'{"prompt": "x", "metadata": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    witness.beside(lambda: refused(served, "/v1/completions", deep, None))
+    just = b'{"prompt": "x", "max_tokens": 1, "metadata": {"k": ' + b"[" * (MAX_JSON_DEPTH - 3) + \
+        b"]" * (MAX_JSON_DEPTH - 3) + b"}}"
+    assert post(served.url + "/v1/completions", just)[0] == 200  # within the limit: served
+    for path, raw in [("/v1/completions", b'{"prompt": "a\\ud800b"}'),
+                      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+                      ("/tokenize", b'{"prompt": "\\ud83d"}')]:
+        assert "surrogate" in refused(served, path, raw, None)["message"]
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        refused(served, "/v1/completions", {"prompt": "x"}, None, status=415, headers={"Content-Type": content_type})
+    assert post(served.url + "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    wait_idle(served.engine_loop)
+
+
+def test_the_server_is_idle_after_the_attacks(served, witness):
+    """After every attack of the module: the witness still gets its text in its quiet time bound,
+    /health answers, the engine holds no request, /metrics shows nothing running or waiting."""
+    witness.beside(lambda: http(served.url + "/health")[0])
+    wait_idle(served.engine_loop)
+    values = metrics(served.url)
+    assert values["agent_infer:num_requests_running"] == 0 and values["agent_infer:num_requests_waiting"] == 0
