@@ -1,6 +1,7 @@
 """Helpers of the phase-14 parser tests: deterministic id sources, splitting an output into
-deltas, and the OpenAI SDK's own assembly of a chat stream (``ChatCompletionStreamState``, what
-``client.chat.completions.stream`` uses) as the truth for what a client sees."""
+deltas, the OpenAI SDK's own assembly of a chat stream (``ChatCompletionStreamState``, what
+``client.chat.completions.stream`` uses) as the truth for what a client sees, and a chat choice
+read whole and streamed (``engine.server.chat_output.ChatParsing``) in one comparable shape."""
 from __future__ import annotations
 
 import itertools
@@ -36,3 +37,24 @@ def sdk_message(deltas: list[dict], finish_reason: str = "stop"):
             "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]})
         list(state.handle_chunk(chunk))
     return state.get_final_completion().choices[0].message
+
+
+def chat_whole(parsing, text: str, finish_reason: str = "stop"):
+    """``(content, [(name, arguments)], finish_reason)`` of the whole message ``parsing`` makes of
+    ``text`` (ids are random: not compared)."""
+    message, reason = parsing.message(text, finish_reason)
+    return (message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                 for c in message.get("tool_calls", [])], reason)
+
+
+def chat_streamed(parsing, deltas: list[str], finish_reason: str = "stop"):
+    """The same from ``parsing``'s stream fed ``deltas``, as the OpenAI SDK assembles it (its final
+    chunk says ``stop``: the SDK refuses to assemble a ``length`` one), with the finish reason the
+    stream gives; every call's id is a fresh ``call_`` id."""
+    stream = parsing.stream()
+    sent = [d for piece in deltas for d in stream.feed(piece)]
+    more, reason = stream.finish(finish_reason)
+    message = sdk_message(sent + more)
+    calls = message.tool_calls or []
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+    return message.content, [(c.function.name, c.function.arguments) for c in calls], reason

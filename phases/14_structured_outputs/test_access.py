@@ -75,6 +75,30 @@ def test_every_v1_route_needs_the_key_and_the_open_routes_do_not():
             assert call(url + path)[0] == 200
 
 
+def raw_status(url: str, header: bytes) -> int:
+    """The status answering a GET /v1/models whose ``Authorization`` header is the raw ``header``."""
+    import http.client
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + header + b"\r\n\r\n")
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status
+
+
+def test_keys_that_are_not_ascii_are_wrong_keys_never_errors():
+    """An ``Authorization`` or ``x-api-key`` header holding bytes that are not ASCII (latin-1,
+    UTF-8, invalid UTF-8) is a wrong key: a 401, never an exception in the middleware (a 500);
+    ``x-api-key`` with the key passes, as Anthropic's clients send it."""
+    with serving([api_key_middleware(KEY)]) as url:
+        for header in (b"Bearer caf\xe9", "Bearer café".encode(), b"Bearer \xff\xfe\x80", b"\xe9\xe9 x"):
+            assert raw_status(url, header) == 401, header
+        assert call(url + "/v1/models", headers={"x-api-key": KEY})[0] == 200
+        assert call(url + "/v1/models", headers={"x-api-key": "caf\xe9"})[0] == 401
+
+
 def test_an_empty_key_is_refused():
     with pytest.raises(ValueError, match="must not be empty"):
         api_key_middleware("")

@@ -12,7 +12,9 @@ import pytest
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.llm_engine import load_tokenizer
-from engine.server.protocol import APIError, OpenAIProtocol, sampling_defaults
+from engine.sampling_defaults import OPENAI, sampling_defaults
+from engine.server.protocol import OpenAIProtocol
+from engine.server.request_body import APIError
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,8 @@ def test_a_prompt_list_mixing_text_and_token_ids_is_refused(tokenizer):
 
 
 def test_sampling_defaults_come_from_generation_config_then_openai(tokenizer):
-    assert sampling_defaults({}) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+    assert sampling_defaults({}, OPENAI) == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                             "repetition_penalty": 1.0}
     qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
     proto = protocol(tokenizer, generation_config=qwen3)
     params = proto.chat({"messages": HISTORY[:1]}).choices[0].params
@@ -187,3 +190,26 @@ def test_the_tool_call_parser_defaults_to_the_architectures(tokenizer):
         assert default(architecture).chat({"messages": HISTORY[:1], "tools": TOOLS}).parsing.tools == name
     assert refused(default("MistralForCausalLM"), {"messages": HISTORY[:1], "tools": TOOLS}).param == "tools"
     assert default("MistralForCausalLM").chat({"messages": HISTORY[:1]}).parsing is None  # no tools: plain
+
+
+def test_schemas_too_deep_or_with_pattern_properties_are_400s(tokenizer):
+    """A schema nested past MAX_SCHEMA_DEPTH (given as an object, or as JSON text nested past the
+    recursion limit) is a 400 before anything recurses into it; patternProperties (whose keys the
+    grammar cannot keep unique) is a 400 naming it; a property merely named so is fine."""
+    from engine.structured.spec import MAX_SCHEMA_DEPTH
+
+    proto = protocol(tokenizer)
+    deep: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        deep = {"type": "object", "properties": {"a": deep}}
+    messages = HISTORY[:1]
+    bad = refused(proto, {"messages": messages, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}})
+    assert bad.param == "response_format.json_schema.schema" and "deeper" in bad.message
+    text = '{"type": "object", "properties": {"a": ' * 5000 + '{}' + "}}" * 5000
+    assert "deeper" in refused(proto, {"messages": messages, "structured_outputs": {"json": text}}).message
+    pattern = {"type": "object", "patternProperties": {"^x[0-9]$": {"type": "integer"}}}
+    bad = refused(proto, {"messages": messages, "structured_outputs": {"json": pattern}})
+    assert bad.param == "structured_outputs.json" and "patternProperties" in bad.message
+    named = {"type": "object", "properties": {"patternProperties": {"type": "string"}}}
+    assert proto.chat({"messages": messages, "structured_outputs": {"json": named}}).structured is not None

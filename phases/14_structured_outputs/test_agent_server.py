@@ -142,7 +142,7 @@ def test_a_history_of_tool_results_renders_and_runs_read_by_the_parser(served, c
     rendered = tokenizer.apply_chat_template(TEMPLATE_HISTORY, tools=TOOLS, add_generation_prompt=True,
                                              tokenize=False)
     text = completion_text(client, rendered, 24)
-    content, calls = tool_parser("hermes").extract(text)
+    content, calls = tool_parser("hermes", names={"get_weather", "add"}).extract(text)
     out = client.chat.completions.create(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=24, **GREEDY)
     assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     message = out.choices[0].message

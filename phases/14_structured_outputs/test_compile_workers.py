@@ -10,7 +10,6 @@ here), stopped by a limit of 1-2 s; conditions are polled, never waited for by a
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import multiprocessing
 import os
@@ -24,10 +23,10 @@ import xgrammar as xgr
 
 from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.llm_engine import load_tokenizer
-from engine.structured.compiler import GrammarBusy, GrammarCompiler, MiB, _Refused
-from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
+from engine.structured.compiler import GrammarBusy, MiB, _Refused
+from engine.structured.spec import StructuredOutputError, StructuredSpec
+from grammar_cases import VOCAB, counted_compilers, schema_spec, slow_spec
 
-VOCAB = 8192  # the demo model's
 ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'
 NESTED = {"type": "object", "properties": {
     "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
@@ -43,35 +42,7 @@ def tokenizer():
 
 @pytest.fixture
 def make_compiler(tokenizer):
-    """Fresh compilers (own cache and worker processes) whose compiles are counted:
-    ``compiler.calls`` lists the specs sent to a worker, in the order the workers took them."""
-    made = []
-
-    def make(**kwargs):
-        compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id], **kwargs)
-        compiler.calls = []
-        outcome = compiler._outcome
-
-        def counted(worker, spec):
-            compiler.calls.append(spec)
-            return outcome(worker, spec)
-        compiler._outcome = counted
-        made.append(compiler)
-        return compiler
-    yield make
-    for compiler in made:
-        compiler.close()
-
-
-def schema_spec(schema: dict) -> StructuredSpec:
-    return spec_from_request({"structured_outputs": {"json": schema}})
-
-
-@functools.cache
-def slow_spec(tag: str) -> StructuredSpec:
-    """An enum of 100,000 strings: its compile takes far longer than any limit here (30,000 take
-    12 s on one core, and the time grows faster than the count)."""
-    return schema_spec({"enum": [f"{tag}-{i}" for i in range(100_000)]})
+    yield from counted_compilers(tokenizer)
 
 
 def enum_spec(tag: str, count: int = 3000) -> StructuredSpec:

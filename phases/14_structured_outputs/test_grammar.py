@@ -12,7 +12,6 @@ cold and cached compile times as JSON.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import threading
@@ -27,8 +26,8 @@ from engine.llm_engine import load_tokenizer
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.matchers import GrammarMatchers, apply_bitmask
 from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
+from grammar_cases import VOCAB, counted_compilers, schema_spec, slow_spec
 
-VOCAB = 8192  # the demo model's
 SEEDS = range(20)
 
 SCHEMAS = {
@@ -89,36 +88,8 @@ def compiler(tokenizer, eos):
 
 
 @pytest.fixture
-def make_compiler(tokenizer, eos):
-    """Fresh compilers (own cache and worker processes) whose compiles are counted:
-    ``compiler.calls`` lists the specs sent to a worker, in the order the workers took them."""
-    made = []
-
-    def make(**kwargs):
-        compiler = GrammarCompiler(tokenizer, VOCAB, [eos], **kwargs)
-        compiler.calls = []
-        outcome = compiler._outcome
-
-        def counted(worker, spec):
-            compiler.calls.append(spec)
-            return outcome(worker, spec)
-        compiler._outcome = counted
-        made.append(compiler)
-        return compiler
-    yield make
-    for compiler in made:
-        compiler.close()
-
-
-def schema_spec(schema: dict) -> StructuredSpec:
-    return spec_from_request({"structured_outputs": {"json": schema}})
-
-
-@functools.cache
-def slow_spec(tag: str) -> StructuredSpec:
-    """An enum of 100,000 strings: its compile takes far longer than any test's time limit (30,000
-    take 12 s on one core here, and the time grows faster than the count)."""
-    return schema_spec({"enum": [f"{tag}-{i}" for i in range(100_000)]})
+def make_compiler(tokenizer):
+    yield from counted_compilers(tokenizer)
 
 
 def pathological_schema(depth: int = PATHOLOGICAL_DEPTH) -> dict:

@@ -1,6 +1,9 @@
 """Tool-call parsers (engine/server/tool_parsers.py) on outputs shaped like real Qwen3 (hermes) and
 Llama 3.x (JSON) tool calls: the whole-output parse against hand-written answers, and the stream,
-for every split of each output into deltas, assembled by the OpenAI SDK into the same message."""
+for every split of each output into deltas, assembled by the OpenAI SDK into the same message.
+Then a chat choice read for a request (engine/server/chat_output.py): calls of functions the
+request does not offer stay content, parallel_tool_calls false keeps one call, and a forced call
+cut off by max_tokens is that call, never content; whole and streamed alike."""
 import json
 import re
 
@@ -9,9 +12,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.server.call_object import compact
+from engine.server.chat_output import ChatParsing
 from engine.server.json_stream import JsonScanner
 from engine.server.tool_parsers import default_tool_parser, random_call_id, tool_parser
-from stream_cases import counting_ids, pieces, run_stream, sdk_message
+from stream_cases import chat_streamed, chat_whole, counting_ids, pieces, run_stream, sdk_message
 
 WEATHER_PARIS = '{"city":"Paris","unit":"celsius"}'
 # (parser, output, content, [(name, arguments)])
@@ -108,41 +112,102 @@ CASES = {
         [("f", '{"a":1}')]),
     "none": ("none", '<tool_call>\n{"name": "f"}\n</tool_call>', '<tool_call>\n{"name": "f"}\n</tool_call>', []),
 }
+# (parser, the request's function names, output, content, [(name, arguments)]): a call object naming
+# a function the request does not offer is no call; it stays content like a malformed block
+REQUEST_CASES = {
+    "qwen3-unknown-function-then-a-known-one": (
+        "hermes", {"get_weather"},
+        "I'll look.\n"
+        '<tool_call>\n{"name": "rm_rf", "arguments": {"path": "/"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        'I\'ll look.\n<tool_call>\n{"name": "rm_rf", "arguments": {"path": "/"}}\n</tool_call>',
+        [("get_weather", WEATHER_PARIS)]),
+    "qwen3-a-name-extending-a-known-one": (
+        "hermes", {"get_weather"},
+        '<tool_call>\n{"name": "get_weather_v2", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather_v2", "arguments": {"city": "Paris"}}\n</tool_call>',
+        []),
+    "qwen3-unknown-function-without-arguments": (
+        "hermes", {"get_current_time"},
+        '<tool_call>\n{"name": "delete_everything"}\n</tool_call>\n<tool_call>\n{"name": "get_current_time"}\n'
+        "</tool_call>",
+        '<tool_call>\n{"name": "delete_everything"}\n</tool_call>',
+        [("get_current_time", "{}")]),
+    "qwen3-a-known-name-written-with-an-escape": (
+        "hermes", {"get_weather"},
+        '<tool_call>\n{"name": "get\\u005fweather", "arguments": {}}\n</tool_call>',
+        None,
+        [("get_weather", "{}")]),
+    "qwen3-a-request-without-functions": (
+        "hermes", set(),
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        []),
+    "llama3-unknown-function": (
+        "llama3_json", {"get_weather"},
+        '<|python_tag|>{"name": "exec", "parameters": {"code": "rm -rf /"}}',
+        '<|python_tag|>{"name": "exec", "parameters": {"code": "rm -rf /"}}',
+        []),
+    "llama3-unknown-second-call": (
+        "llama3_json", {"f"},
+        '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+        '; {"name": "g", "parameters": {}}',
+        [("f", '{"a":1}')]),
+}
+ALL_CASES = {case: (parser, None, *rest) for case, (parser, *rest) in CASES.items()} | REQUEST_CASES
 
 
-def whole(parser: str, text: str):
-    content, calls = tool_parser(parser, counting_ids()).extract(text)
+def whole(parser: str, text: str, names=None):
+    content, calls = tool_parser(parser, counting_ids(), names).extract(text)
     return content, [(c.id, c.name, c.arguments) for c in calls]
 
 
-def streamed(parser: str, deltas: list[str]):
+def streamed(parser: str, deltas: list[str], names=None):
     """The stream of the same request (the same ids), as the OpenAI SDK assembles it."""
-    message = sdk_message(run_stream(tool_parser(parser, counting_ids()).stream(), deltas))
+    message = sdk_message(run_stream(tool_parser(parser, counting_ids(), names).stream(), deltas))
     return message.content, [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_whole_output_parse_of_recorded_outputs(case):
-    parser, text, content, calls = CASES[case]
-    assert whole(parser, text) == (content, [(f"call_{i}", *c) for i, c in enumerate(calls)])
+    parser, names, text, content, calls = ALL_CASES[case]
+    assert whole(parser, text, names) == (content, [(f"call_{i}", *c) for i, c in enumerate(calls)])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_every_split_streams_the_whole_parse(case):
     """Two deltas cut at every position, and one delta per character."""
-    parser, text, _, _ = CASES[case]
-    want = whole(parser, text)
+    parser, names, text, _, _ = ALL_CASES[case]
+    want = whole(parser, text, names)
     for cut in range(len(text) + 1):
-        assert streamed(parser, [text[:cut], text[cut:]]) == want, f"cut at {cut}: {text[:cut]!r}"
-    assert streamed(parser, list(text)) == want
+        assert streamed(parser, [text[:cut], text[cut:]], names) == want, f"cut at {cut}: {text[:cut]!r}"
+    assert streamed(parser, list(text), names) == want
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), case=st.sampled_from(sorted(CASES)))
+@given(data=st.data(), case=st.sampled_from(sorted(ALL_CASES)))
 def test_any_split_streams_the_whole_parse(data, case):
-    parser, text, _, _ = CASES[case]
+    parser, names, text, _, _ = ALL_CASES[case]
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    assert streamed(parser, pieces(text, cuts)) == whole(parser, text)
+    assert streamed(parser, pieces(text, cuts), names) == whole(parser, text, names)
+
+
+def test_a_call_of_a_function_the_request_does_not_offer_is_never_announced():
+    """The name is known before the stream commits to a call: with the name's closing quote the
+    held block goes out as content, and no call delta is ever sent."""
+    stream = tool_parser("hermes", counting_ids(), {"get_weather"}).stream()
+    assert stream.feed('Sure. <tool_call>\n{"name": "rm_r') == [{"content": "Sure."}]
+    assert stream.feed('f"') == [{"content": ' <tool_call>\n{"name": "rm_rf"'}]
+    assert stream.feed(', "arguments": {}}</tool_call>') == [{"content": ', "arguments": {}}</tool_call>'}]
+    assert stream.finish() == []
+    stream = tool_parser("llama3_json", counting_ids(), {"f"}).stream()
+    assert stream.feed('{"name": "f_') == []
+    assert stream.feed('2", "parameters": {}}') == [{"content": '{"name": "f_2", "parameters": {}}'}]
+
+
+NAME_POOL = ["f", "get_weather", "g"]
+call_names = st.sampled_from(NAME_POOL) | st.text(max_size=6)
+request_names = st.none() | st.frozensets(st.sampled_from(NAME_POOL))  # None: any name is a call
 
 
 def hermes_outputs():
@@ -150,7 +215,7 @@ def hermes_outputs():
     args = st.dictionaries(st.text(max_size=5), st.none() | st.integers() | st.text(max_size=5), max_size=3)
     good = st.builds(lambda name, a, indent, close: "<tool_call>" + json.dumps({"name": name, "arguments": a},
                                                                               indent=indent) + close,
-                     st.text(max_size=6), args, st.none() | st.integers(0, 2),
+                     call_names, args, st.none() | st.integers(0, 2),
                      st.sampled_from(["</tool_call>", "\n</tool_call>"]))
     no_call = st.sampled_from(['<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', "<tool_call>\n{'name': 'f'}",
                                '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', "<tool_call></tool_call>",
@@ -160,10 +225,10 @@ def hermes_outputs():
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=hermes_outputs(), data=st.data())
-def test_generated_hermes_outputs_stream_as_they_parse(text, data):
+@given(text=hermes_outputs(), names=request_names, data=st.data())
+def test_generated_hermes_outputs_stream_as_they_parse(text, names, data):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
-    assert streamed("hermes", pieces(text, cuts)) == whole("hermes", text)
+    assert streamed("hermes", pieces(text, cuts), names) == whole("hermes", text, names)
 
 
 def llama3_outputs():
@@ -171,7 +236,7 @@ def llama3_outputs():
     values = st.none() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5)
     args = st.dictionaries(st.text(max_size=5), values, max_size=3)
     call = st.builds(lambda name, key, a, indent: json.dumps({"name": name, key: a}, indent=indent),
-                     st.text(max_size=6), st.sampled_from(["parameters", "arguments"]), args,
+                     call_names, st.sampled_from(["parameters", "arguments"]), args,
                      st.none() | st.integers(0, 2))
     calls = st.lists(call, max_size=3).flatmap(lambda cs: st.sampled_from(["; ", ";", " ;\n"]).map(
         lambda sep: sep.join(cs)))
@@ -181,10 +246,10 @@ def llama3_outputs():
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=llama3_outputs(), data=st.data())
-def test_generated_llama3_outputs_stream_as_they_parse(text, data):
+@given(text=llama3_outputs(), names=request_names, data=st.data())
+def test_generated_llama3_outputs_stream_as_they_parse(text, names, data):
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
-    assert streamed("llama3_json", pieces(text, cuts)) == whole("llama3_json", text)
+    assert streamed("llama3_json", pieces(text, cuts), names) == whole("llama3_json", text, names)
 
 
 @settings(max_examples=300, deadline=None)
@@ -268,6 +333,134 @@ def test_a_call_broken_after_it_was_announced_ends_there():
     assert streamed("llama3_json", [broken]) == ("]} trailing", [("call_0", "f", '{"a":1')])
 
 
+NAMES = frozenset({"get_weather", "get_time", "f"})
+# parallel_tool_calls false: (parser, output, content, the one call kept); the same content as with
+# parallel calls (the text around the dropped calls stays), the calls after the first dropped
+ONE_CALL_CASES = {
+    "qwen3-two-calls-with-text-around": (
+        "hermes",
+        "Checking both.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+        "and\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>\n'
+        "Done.",
+        "Checking both.andDone.",
+        [("get_weather", WEATHER_PARIS)]),
+    "qwen3-an-unknown-function-is-no-first-call": (
+        "hermes",
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+        [("get_time", "{}")]),
+    "llama3-three-calls": (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", '
+        '"parameters": {}}; {"name": "f", "parameters": {"a": [1]}}',
+        None,
+        [("get_weather", '{"city":"Paris"}')]),
+}
+
+
+@pytest.mark.parametrize("case", ONE_CALL_CASES)
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed(case):
+    parser, text, content, calls = ONE_CALL_CASES[case]
+    one = ChatParsing(parser, tool_names=NAMES, parallel_tool_calls=False)
+    want = (content, calls, "tool_calls")
+    assert chat_whole(one, text) == want
+    assert len(chat_whole(ChatParsing(parser, tool_names=NAMES), text)[1]) > 1  # the option is what drops them
+    for cut in range(len(text) + 1):
+        assert chat_streamed(one, [text[:cut], text[cut:]]) == want, f"cut at {cut}: {text[:cut]!r}"
+    assert chat_streamed(one, list(text)) == want
+    stream = one.stream()
+    sent = stream.feed(text) + stream.finish("stop")[0]
+    assert {d["tool_calls"][0]["index"] for d in sent if "tool_calls" in d} == {0}  # nothing of the dropped calls
+
+
+# forced calls (tool_choice required / named): (parser, output, finish reason, calls, finish reason
+# sent); content is always None. An output cut by max_tokens keeps the call once its name is complete.
+FORCED_CASES = {
+    "qwen3-complete": (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        "stop", [("get_weather", WEATHER_PARIS)], "tool_calls"),
+    "qwen3-cut-in-the-arguments": (
+        "hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "length",
+        [("get_weather", '{"city":"Pa')], "length"),
+    "qwen3-cut-after-an-escape": (
+        "hermes", '<tool_call>\n{"name": "f", "arguments": {"note": "say \\', "length",
+        [("f", '{"note":"say \\')], "length"),
+    "qwen3-cut-after-the-name": (
+        "hermes", '<tool_call>\n{"name": "get_weather", "argum', "length", [("get_weather", "")], "length"),
+    "qwen3-cut-in-the-name": ("hermes", '<tool_call>\n{"name": "get_wea', "length", [], "length"),
+    "qwen3-cut-in-the-prefix": ("hermes", "<tool_ca", "length", [], "length"),
+    "qwen3-cut-in-the-suffix": (
+        "hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool', "length",
+        [("get_time", "{}")], "length"),
+    "llama3-cut-in-the-arguments": (
+        "llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "cel', "length",
+        [("get_weather", '{"city":"Paris","unit":"cel')], "length"),
+    "llama3-complete": (
+        "llama3_json", '{"name": "f", "parameters": {"a": [1, 2.5e3]}}', "stop", [("f", '{"a":[1,2.5e3]}')],
+        "tool_calls"),
+}
+
+
+@pytest.mark.parametrize("case", FORCED_CASES)
+def test_a_forced_call_cut_off_is_that_call_whole_and_streamed(case):
+    """Never content; the call with its arguments so far once its name is complete; the stream,
+    split anywhere, sends no content delta and assembles into the whole message."""
+    parser, text, reason, calls, sent_reason = FORCED_CASES[case]
+    forced = ChatParsing(parser, tool_names=NAMES, forced=True)
+    want = (None, calls, sent_reason)
+    assert chat_whole(forced, text, reason) == want
+    for cut in range(len(text) + 1):
+        assert chat_streamed(forced, [text[:cut], text[cut:]], reason) == want, f"cut at {cut}: {text[:cut]!r}"
+    assert chat_streamed(forced, list(text), reason) == want
+    stream = forced.stream()
+    assert not any("content" in d for ch in text for d in stream.feed(ch))
+
+
+@settings(max_examples=300, deadline=None)
+@given(parser=st.sampled_from(["hermes", "llama3_json"]), name=st.sampled_from(sorted(NAMES)),
+       arguments=st.dictionaries(st.text(max_size=5), st.none() | st.integers() | st.text(max_size=5), max_size=3),
+       indent=st.none() | st.integers(0, 2), data=st.data())
+def test_a_forced_call_cut_anywhere_streams_as_it_reads_whole(parser, name, arguments, indent, data):
+    """What the grammar makes the model write (prefix, call object, suffix), cut anywhere: the call
+    is there iff the cut is past its name, its arguments a prefix of the whole call's, and the
+    stream, split anywhere, is the same."""
+    p = tool_parser(parser)
+    text = p.call_prefix + json.dumps({"name": name, p.arguments_key: arguments}, indent=indent) + p.call_suffix
+    cut = data.draw(st.integers(0, len(text)))
+    reason = "stop" if cut == len(text) else "length"
+    forced = ChatParsing(parser, tool_names=NAMES, forced=True)
+    content, calls, sent_reason = chat_whole(forced, text[:cut], reason)
+    past_name = text.index(json.dumps(name)) + len(json.dumps(name))
+    assert content is None and len(calls) == (cut >= past_name)
+    assert all(c == name and json.dumps(arguments, separators=(",", ":")).startswith(a) for c, a in calls)
+    if reason == "stop":
+        assert calls == [(name, json.dumps(arguments, separators=(",", ":")))] and sent_reason == "tool_calls"
+    cuts = data.draw(st.lists(st.integers(0, cut), max_size=8))
+    assert chat_streamed(forced, pieces(text[:cut], cuts), reason) == (content, calls, sent_reason)
+
+
+@settings(max_examples=300, deadline=None)
+@given(outputs=st.sampled_from([("hermes", hermes_outputs()), ("llama3_json", llama3_outputs())]).flatmap(
+    lambda p: st.tuples(st.just(p[0]), p[1])), names=st.frozensets(st.sampled_from(NAME_POOL)),
+       parallel=st.booleans(), data=st.data())
+def test_generated_outputs_read_for_a_request_stream_as_they_read_whole(outputs, names, parallel, data):
+    """Through ChatParsing, with the request's names and parallel_tool_calls: stream == whole for
+    any split; without parallel calls, the content of the parallel reading and its first call."""
+    parser, text = outputs
+    parsing = ChatParsing(parser, tool_names=names, parallel_tool_calls=parallel)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    got = chat_whole(parsing, text)
+    assert chat_streamed(parsing, pieces(text, cuts)) == got
+    content, calls, reason = chat_whole(ChatParsing(parser, tool_names=names), text)
+    assert got == (content, calls if parallel else calls[:1], reason)
+    assert all(name in names for name, _ in calls)
+
+
 def test_call_ids():
     ids = {random_call_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
@@ -284,6 +477,8 @@ def test_parser_names_and_the_default_per_architecture():
         "hermes": "HermesToolParser", "llama3_json": "Llama3JsonToolParser", "none": "NoToolParser"}
     with pytest.raises(ValueError, match="--tool-call-parser: unknown parser 'mistral'; choose one of hermes"):
         tool_parser("mistral")
+    with pytest.raises(ValueError, match="--tool-call-parser none reads no calls, so it cannot read a forced one"):
+        tool_parser("none", forced=True)
     defaults = {arch: default_tool_parser(arch) for arch in (
         "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "LlamaForCausalLM",
         "MistralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}

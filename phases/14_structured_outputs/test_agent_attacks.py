@@ -1,0 +1,112 @@
+"""The agent path under attack (issue 46), each attack beside a good streaming client whose greedy
+text must not change and whose time must stay within a few times its quiet time (phase 10's
+``Witness``): 20,000 tools, a history of 50,000 tool calls, a schema nested 100 levels, slow
+grammars flooding the compile workers while another client's small schema still compiles. (A
+30 MB body is a 413 before it is decoded: phase 10; these attacks fit the 8 MiB body cap.)"""
+from __future__ import annotations
+
+import http.client
+import importlib
+import json
+
+import pytest
+
+from agent_cases import TOOLS, TOOLS_TEMPLATE
+from engine.llm_engine import LLMEngine
+from engine.structured.compiler import GrammarCompiler
+
+server_cases = importlib.import_module("phases.10_e2e_acceptance.server_cases")
+
+SMALL_ERROR = 1024
+COMPILE_LIMIT_S = 2.0  # a slow schema's compile is stopped here (the server's default is 10 s)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = server_cases.make_text_checkpoint(tmp_path_factory.mktemp("agent-model"), seed=13,
+                                              chat_template=TOOLS_TEMPLATE)
+    engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_model_len=1024)
+    engine._grammar_compiler = GrammarCompiler(engine.tokenizer, engine.config.vocab_size, engine.eos_token_ids,
+                                               workers=1, timeout_s=COMPILE_LIMIT_S)  # a core left to serve
+    with server_cases.running_server(engine, tool_call_parser="hermes") as running:
+        yield running
+    engine._grammar_compiler.close()
+
+
+@pytest.fixture(scope="module")
+def witness(served):
+    return server_cases.Witness(served.url)
+
+
+def post(url: str, body: dict, source: str = "127.0.0.1") -> tuple[int, dict]:
+    """POST ``body`` from the loopback address ``source`` (another client, as the server tells them
+    apart); the status and the JSON answer."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    assert len(raw) < SMALL_ERROR or response.status == 200, f"the error echoes the input back ({len(raw)} bytes)"
+    return response.status, json.loads(raw)
+
+
+def ask(**fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 8,
+            "temperature": 0, **fields}
+
+
+def test_tool_attacks_are_refused_at_their_caps_beside_a_good_stream(served, witness):
+    """20,000 tools and a history of 50,000 tool calls: each a 400 naming the field and its cap,
+    before any is read; a schema nested 100 levels is a 400, not a 500."""
+    tool = TOOLS[0]
+    many = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(20_000)]
+    status, body = witness.beside(lambda: post(served.url, ask(tools=many)))
+    assert status == 400 and body["error"]["param"] == "tools" and "128" in body["error"]["message"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                   "tool_calls": [call] * 50_000}]
+    status, body = witness.beside(lambda: post(served.url, {**ask(), "messages": history, "tools": TOOLS}))
+    assert status == 400 and "4096" in body["error"]["message"], body
+    deep: dict = {"type": "string"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"a": deep}}
+    status, body = witness.beside(lambda: post(served.url, ask(response_format={
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})))
+    assert status == 400, body
+    server_cases.wait_idle(served.engine_loop)
+
+
+def slow_schema(i: int) -> dict:
+    """A schema whose grammar takes far longer than COMPILE_LIMIT_S to compile (a 30,000-string enum)."""
+    return {"type": "object", "properties": {"pick": {"enum": [f"choice-{i}-{j}" for j in range(30_000)]}},
+            "required": ["pick"]}
+
+
+def test_slow_grammars_cannot_starve_another_clients_schema(served, witness):
+    """One client floods the compile workers with slow schemas (each refused at the limit, a 400
+    naming response_format); meanwhile another client's small schema compiles and its answer
+    validates; asking for a refused schema again is answered at once from the cache."""
+    import concurrent.futures
+
+    jsonschema = pytest.importorskip("jsonschema")
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+    def attack() -> list:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(post, served.url, ask(response_format={
+                "type": "json_schema", "json_schema": {"name": f"slow{i}", "schema": slow_schema(i)}}))
+                for i in range(4)]
+            good = post(served.url, ask(max_tokens=40, response_format={
+                "type": "json_schema", "json_schema": {"name": "small", "schema": small}}), source="127.0.0.2")
+            return [f.result() for f in slow] + [good]
+
+    *slow, good = witness.beside(attack)
+    for status, body in slow:
+        assert status == 400 and body["error"]["param"].startswith("response_format"), body
+    assert good[0] == 200, good
+    jsonschema.validate(json.loads(good[1]["choices"][0]["message"]["content"]), small)
+    server_cases.wait_idle(served.engine_loop)
