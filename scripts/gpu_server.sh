@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The server's front door on a GPU, in one device call: phase 01's cuda tests (the one- and
-# two-row prompts through the cuDNN prefill route on sm90), then the demo model served in
-# bfloat16 on the GPU and asked through every API with the shortest prompts (one token by
-# text and by id), a tool call, /v1/responses, /v1/messages, a json_schema request and two
-# hostile bodies, then every other `cuda` test of the phases. Logs go to $OUT (default ./out).
+# The server's front door on a GPU, in one device call: the one- and two-row prompts through the
+# cuDNN prefill route on sm90 (phase 01), then the demo model served in bfloat16 on the GPU and
+# asked through every API with the shortest prompts (one token by text and by id), a tool call,
+# /v1/responses, /v1/messages, a json_schema request and two hostile bodies, then the `cuda`
+# tests of phases 01 and 14 (every phase's: scripts/gpu_check.sh). Logs go to $OUT (default ./out).
 #
 #   bash scripts/gpu_server.sh            # on a CUDA machine, from the repo root
 source scripts/gpu_common.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-logged cuda01 200 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider phases/01_numeric_primitives
-tail -3 "$OUT/cuda01.log"
+logged cudnn 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+    phases/01_numeric_primitives/test_attention.py::test_one_causal_sequence_through_cudnn \
+    "phases/01_numeric_primitives/test_dispatch.py::test_wrappers_do_no_host_sync_copy_or_per_token_work[cuda]"
+tail -3 "$OUT/cudnn.log"
 
 PORT=8123
 python3 -m engine serve --port $PORT --dtype bfloat16 --served-model-name demo \
@@ -45,7 +47,7 @@ rm -f "$OUT/body.tmp" "$OUT/hostile.json"
 grep -E '^(== |[0-9]{3}$|health)' "$OUT/api.log" | paste - - | head -20
 grep -ciE 'traceback|error' "$OUT/serve.log" | sed 's/^/serve.log error lines: /'
 
-fits 120 cuda_all && logged cuda_all $(( ${BUDGET_S:-580} - SECONDS - 10 )) python3 -m pytest -m cuda -q -rfE \
-    -p no:cacheprovider -n 4 phases --deselect phases/01_numeric_primitives
-tail -15 "$OUT/cuda_all.log"
+fits 120 cuda_01_14 && logged cuda_01_14 $(( ${BUDGET_S:-580} - SECONDS - 10 )) python3 -m pytest -m cuda -q \
+    -rfE -p no:cacheprovider -n 4 phases/01_numeric_primitives phases/14_structured_outputs
+tail -15 "$OUT/cuda_01_14.log"
 cat "$OUT/sections.log"
