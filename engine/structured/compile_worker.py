@@ -3,8 +3,10 @@ in the worker and in the server), and one worker process that compiles a spec on
 behalf and can be stopped at any moment (``CompileWorker``), which a thread's compile cannot.
 
 A worker is a process of the ``forkserver`` start method (never ``fork``: the server runs CUDA
-and threads), forked from a server that has imported this module (xgrammar, and torch with it,
-3.4 s) once: the first worker of a process starts in ~3.4 s, every later one in ~10 ms. It gets
+and threads), forked from a server that has imported xgrammar (and torch with it, 3.4 s) once: the
+first worker of a process starts in ~3.4 s, every later one in ~10 ms. The server preloads only
+that third-party module, never this package: the forkserver is one per process and another user of
+it (the gates' runner, forking the sessions of another tree) must find no ``engine`` imported. It gets
 the tokenizer's ``TokenizerInfo`` once (``serialize_json``, 0.2 MB for an 8k vocabulary), then
 answers each spec sent to it with a :class:`Verdict`: the compiled grammar's size, or why
 xgrammar refused the spec. It sends no grammar back: xgrammar 0.2.9 serializes a compiled
@@ -167,7 +169,7 @@ class CompileWorker:
 
     def _start(self) -> None:
         """Start the process (the lock held) and wait for it to be ready: its resident memory then."""
-        _CONTEXT.set_forkserver_preload([__name__])  # in effect only if this starts the forkserver
+        _CONTEXT.set_forkserver_preload(["xgrammar"])  # in effect only if this starts the forkserver
         conn, child = _CONTEXT.Pipe()
         process = _CONTEXT.Process(target=_serve, args=(child, *self._args), name=self.name, daemon=True)
         process.start()
