@@ -273,7 +273,8 @@ def tokenizer_of(engine):
 
 def test_keys_and_thinking_on_a_served_cli(agent_model, tmp_path):
     """``python -m engine serve --api-key KEY --reasoning-parser qwen3`` with a thinking template:
-    the anthropic SDK's ``x-api-key`` is read (right: served; wrong: 401 in Anthropic's shape), the
+    the anthropic SDK's key is read (2.17 sends it as a bearer token; test_access covers x-api-key;
+    right: served; wrong: 401 in Anthropic's shape), the
     Responses API refuses a wrong bearer key (401); with thinking enabled the reasoning comes back
     as a ``thinking`` block (Anthropic) and a ``reasoning`` item (Responses); disabled, none."""
     template = tmp_path / "template.jinja"
