@@ -1,8 +1,8 @@
 """The agent path under attack (issue 46), each attack beside a good streaming client whose greedy
-text must not change and whose time must stay within a few times its quiet time (phase 10's
-``Witness``): 20,000 tools, a history of 50,000 tool calls, a schema nested 100 levels, slow
-grammars flooding the compile workers while another client's small schema still compiles. (A
-30 MB body is a 413 before it is decoded: phase 10; these attacks fit the 8 MiB body cap.)"""
+text must not change and which must never wait long for its next chunk (phase 10's ``Witness``):
+20,000 tools, a history of 50,000 tool calls, a schema nested 100 levels, slow grammars flooding
+the compile workers while another client's small schema still compiles. (A 30 MB body is a 413
+before it is decoded: phase 10; these attacks fit the 8 MiB body cap.)"""
 from __future__ import annotations
 
 import http.client
@@ -38,13 +38,15 @@ def witness(served):
     return server_cases.Witness(served.url)
 
 
-def post(url: str, body: dict, source: str = "127.0.0.1") -> tuple[int, dict]:
-    """POST ``body`` from the loopback address ``source`` (another client, as the server tells them
-    apart); the status and the JSON answer."""
+def post(url: str, body: dict | bytes, source: str = "127.0.0.1") -> tuple[int, dict]:
+    """POST ``body`` (or its JSON already encoded: a big body is built before the witness runs, see
+    ``Witness.beside``) from the loopback address ``source`` (another client, as the server tells
+    them apart); the status and the JSON answer."""
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
     try:
-        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        connection.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json"})
         response = connection.getresponse()
         raw = response.read()
     finally:
@@ -63,12 +65,14 @@ def test_tool_attacks_are_refused_at_their_caps_beside_a_good_stream(served, wit
     before any is read; a schema nested 100 levels is a 400, not a 500."""
     tool = TOOLS[0]
     many = [{**tool, "function": {**tool["function"], "name": f"f{i}"}} for i in range(20_000)]
-    status, body = witness.beside(lambda: post(served.url, ask(tools=many)))
+    raw = json.dumps(ask(tools=many)).encode()
+    status, body = witness.beside(lambda: post(served.url, raw))
     assert status == 400 and body["error"]["param"] == "tools" and "128" in body["error"]["message"]
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
                                                    "tool_calls": [call] * 50_000}]
-    status, body = witness.beside(lambda: post(served.url, {**ask(), "messages": history, "tools": TOOLS}))
+    raw = json.dumps({**ask(), "messages": history, "tools": TOOLS}).encode()
+    status, body = witness.beside(lambda: post(served.url, raw))
     assert status == 400 and "4096" in body["error"]["message"], body
     deep: dict = {"type": "string"}
     for _ in range(100):
@@ -95,11 +99,12 @@ def test_slow_grammars_cannot_starve_another_clients_schema(served, witness):
     small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}
 
+    slow_bodies = [json.dumps(ask(response_format={"type": "json_schema", "json_schema": {
+        "name": f"slow{i}", "schema": slow_schema(i)}})).encode() for i in range(4)]
+
     def attack() -> list:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            slow = [pool.submit(post, served.url, ask(response_format={
-                "type": "json_schema", "json_schema": {"name": f"slow{i}", "schema": slow_schema(i)}}))
-                for i in range(4)]
+            slow = [pool.submit(post, served.url, body) for body in slow_bodies]
             good = post(served.url, ask(max_tokens=40, response_format={
                 "type": "json_schema", "json_schema": {"name": "small", "schema": small}}), source="127.0.0.2")
             return [f.result() for f in slow] + [good]
