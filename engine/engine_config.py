@@ -23,6 +23,7 @@ from engine.model_source import resolve_model
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.dense import DenseForCausalLM
 from engine.models.registry import MODEL_CLASSES, default_dtype
+from engine.scheduler import SchedulerSettings
 from engine.speculative import SPECULATIVE_METHODS, NgramDrafter
 
 if TYPE_CHECKING:
@@ -76,28 +77,6 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
-class SchedulerSettings:
-    """Continuous batching: at most ``max_num_seqs`` sequences run (default 256 on CUDA, where
-    batches pay; 16 on CPU, where the pool holds ``max_num_seqs x max_model_len`` tokens in host
-    memory) and a step carries at most ``max_num_batched_tokens`` tokens (at least one decode per
-    sequence: never below ``max_num_seqs``); ``max_model_len`` (default the model's
-    ``max_position_embeddings``) bounds prompt + output; ``admission`` ("watermark" or "reserve",
-    ``engine.scheduler``); ``prefill_tokens_beside_decodes``: most prompt tokens in a step that
-    decodes (default ``DEFAULT_PREFILL_TOKENS_BESIDE_DECODES`` for a serving engine on CUDA, where
-    it bounds the gap between two streamed tokens, measured on the H200 in BENCHMARKS.md; 0, no
-    cap beyond the budget, for offline work, whose throughput the cap lowers); ``overlap``: one step in flight while
-    the next is scheduled (off for the hf backend, which runs each step at launch, and with
-    speculation, whose drafts need every token on the host)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    admission: str
-    prefill_tokens_beside_decodes: int
-    overlap: bool
-
-
-@dataclass(frozen=True)
 class ParallelSettings:
     """Where it runs: ``device`` (default ``cuda:LOCAL_RANK`` when CUDA is present, one GPU per
     torchrun rank, else the CPU); ``cuda_graphs`` (decode replays CUDA graphs on CUDA unless
@@ -124,6 +103,11 @@ class SpeculativeSettings:
     prompt_lookup_min: int
     prompt_lookup_max: int
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens one decode entry drafts (0 without speculation)."""
+        return self.num_speculative_tokens if self.method is not None else 0
+
     def drafter(self) -> NgramDrafter | None:
         if self.method is None:
             return None
@@ -133,7 +117,17 @@ class SpeculativeSettings:
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine option, decided. ``progress``: show a loading bar (default: on a terminal, on
-    rank 0)."""
+    rank 0).
+
+    ``scheduler`` (``engine.scheduler.SchedulerSettings``, which checks its values) gets these
+    defaults: ``max_num_seqs`` 256 on CUDA, where batches pay, 16 on CPU, where the pool holds
+    ``max_num_seqs x max_model_len`` tokens in host memory; ``max_model_len`` the model's
+    ``max_position_embeddings``; ``prefill_tokens_beside_decodes``
+    ``DEFAULT_PREFILL_TOKENS_BESIDE_DECODES`` for a serving engine on CUDA, where it bounds the gap
+    between two streamed tokens (measured on the H200, see docs/performance.md), 0 (no cap beyond the
+    budget) for offline work, whose throughput the cap lowers; ``overlap`` on, except for the hf
+    backend, which runs each step at launch, and with speculation, whose drafts need every token
+    on the host."""
 
     model: ModelSettings
     cache: CacheSettings
@@ -210,7 +204,7 @@ def resolve(args: EngineArgs) -> EngineConfig:
         if not isinstance(dtype, torch.dtype):
             raise ValueError("dtype must be one of float32, float16, bfloat16")
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else 256 if device.type == "cuda" else 16
-    max_num_batched_tokens = max(args.max_num_batched_tokens, max_num_seqs)
+    max_num_batched_tokens = args.max_num_batched_tokens
     cuda_graphs = device.type == "cuda" and not args.enforce_eager
     ours = model_class is not None
     return EngineConfig(
@@ -227,10 +221,9 @@ def resolve(args: EngineArgs) -> EngineConfig:
 
 
 def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, serving: bool) -> int:
+    """The cap's default (``SchedulerSettings`` checks a given one)."""
     if requested is None:
         return DEFAULT_PREFILL_TOKENS_BESIDE_DECODES if serving and device.type == "cuda" else 0
-    if requested < 0:
-        raise ValueError(f"prefill_tokens_beside_decodes must be >= 0 (0: no cap), got {requested}")
     return requested
 
 

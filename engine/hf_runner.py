@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +17,9 @@ from engine.layers.sampler import Sampler
 from engine.model_runner import LaunchedStep, unique_parameter_bytes
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
 
 
 class HFModelRunner:
@@ -27,20 +30,21 @@ class HFModelRunner:
     decode token) on top of its own transformers cache; ``release`` drops that cache, so a
     preempted sequence starts again from its first token. It runs each step to the end at
     launch and needs every input token known on the host (no step in flight: the engine runs
-    this backend without overlap)."""
+    this backend without overlap). Built from the resolved ``EngineConfig`` like ``ModelRunner``."""
 
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype, tp: TPGroup,
-                 block_size: int, max_num_seqs: int, max_model_len: int):
+    def __init__(self, config: EngineConfig, tp: TPGroup):
         import transformers
 
         if tp.size > 1:
             raise ValueError("the hf backend runs in a single process; use the tp backend under torchrun")
+        self.device, self.dtype = config.parallel.device, config.model.dtype
         start = time.perf_counter()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(config.model.model_dir), dtype=self.dtype).to(self.device).eval()
         self.load_seconds = time.perf_counter() - start
-        self.device, self.dtype = device, dtype
         self.weight_bytes = unique_parameter_bytes(self.model)
-        self.num_blocks = max_num_seqs * math.ceil(max_model_len / block_size)
+        sched = config.scheduler
+        self.num_blocks = sched.max_num_seqs * math.ceil(sched.max_model_len / config.cache.block_size)
         self.kv_cache_bytes = 0
         self.sampler = Sampler(tp)
         self._caches: dict[str, object] = {}

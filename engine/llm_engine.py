@@ -103,12 +103,10 @@ class LLMEngine:
         if drafter is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
                      "overlap is off")
-        self.runner = self._build_runner(drafter.num_speculative_tokens if drafter else 0)
+        self.runner = (ModelRunner(c, self.tp, self.eos_token_ids) if c.model.model_class is not None
+                       else HFModelRunner(c, self.tp))
         self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids, c.scheduler.admission, drafter=drafter,
-                                   on_free=self._release,
-                                   prefill_tokens_beside_decodes=c.scheduler.prefill_tokens_beside_decodes)
+        self.scheduler = Scheduler(c.scheduler, self.block_manager, self.eos_token_ids, drafter, self._release)
         self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
         self._in_flight: LaunchedStep | None = None  # launched by the last step(), not read back yet
         self._grammar_compiler = None  # built by the first use of grammar_compiler (rank 0)
@@ -120,17 +118,6 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # of the requests admitted
         if self.tp.rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
-
-    def _build_runner(self, max_draft_tokens: int) -> ModelRunner | HFModelRunner:
-        c = self.engine_config
-        sched, cache = c.scheduler, c.cache
-        if c.model.model_class is None:
-            return HFModelRunner(self.model_dir, self.device, self.dtype, self.tp, cache.block_size,
-                                 sched.max_num_seqs, sched.max_model_len)
-        return ModelRunner(self.model_dir, self.config, self.device, self.dtype, self.tp, cache.block_size,
-                           sched.max_num_seqs, sched.max_model_len, cache.mem_utilization, cache.reserve_bytes,
-                           c.progress, c.parallel.cuda_graphs, c.model.model_class, self.eos_token_ids,
-                           max_draft_tokens, cache.dtype, c.parallel.prefill_graph_tokens)
 
     def summary(self) -> str:
         """One line: the config's choices and what loading made of them."""

@@ -37,7 +37,7 @@ import contextlib
 import math
 import time
 from itertools import chain
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,7 +45,6 @@ from torch import nn
 
 from engine.attention_context import AttentionContext, forward_context
 from engine.block_tables import BlockTables
-from engine.config import ModelConfig
 from engine.distributed import TPGroup, broadcast_object
 from engine.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
 from engine.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
@@ -62,6 +61,9 @@ from engine.prompt_logprobs import (
 from engine.sampling_rows import SamplingPlan, SamplingRows, StepLogprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
@@ -134,34 +136,35 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Builds the model for ``config`` (``model_class``, default: routed by architecture) on
-    ``device`` in ``dtype``, loads ``model_dir``'s weights
+    """Built from the resolved ``EngineConfig`` (``config``; ``tp`` this rank's group,
+    ``eos_token_ids`` the sampler's stop tokens): builds ``config.model.model_class`` on
+    ``config.parallel.device`` in ``config.model.dtype``, loads ``config.model.model_dir``'s weights
     (this rank's shards), then sizes the KV pool once from what memory is left
     (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
-    ``mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it, in
-    ``kv_cache_dtype`` (None: ``dtype``; e4m3 for an FP8 KV cache).
+    ``config.cache.mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it,
+    in ``config.cache.dtype`` (None: the model's dtype; e4m3 for an FP8 KV cache).
 
     ``launch(batch, previous) -> LaunchedStep``: one token per batch entry and per drafted token,
     queued (from any thread: the runner makes its device current); ``prepare(batch, previous) ->
-    ForwardBatch`` and ``forward(step) -> logits`` are its two halves. ``max_draft_tokens``: the
-    most tokens a verify entry drafts (speculative decoding; sizes the static decode buffers).
+    ForwardBatch`` and ``forward(step) -> logits`` are its two halves.
+    ``config.speculative.max_draft_tokens``: the most tokens a verify entry drafts (speculative
+    decoding; sizes the static decode buffers).
     ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
-    rows are reused. ``prefill_graph_tokens``: steps with prefill chunks of up to this many tokens
-    replay piecewise CUDA graphs (0: none); every graph is captured into one memory pool
-    (``graph_pool``).
+    rows are reused. Decode steps replay CUDA graphs with ``config.parallel.cuda_graphs``; steps
+    with prefill chunks of up to ``config.parallel.prefill_graph_tokens`` tokens replay piecewise
+    CUDA graphs (0: none); every graph is captured into one memory pool (``graph_pool``).
     """
 
-    def __init__(self, model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 tp: TPGroup, block_size: int, max_num_seqs: int, max_model_len: int,
-                 mem_utilization: float = 0.9, reserve_bytes: int = 2 << 30, progress: bool = False,
-                 cuda_graphs: bool = False, model_class: type[nn.Module] | None = None, eos_token_ids=frozenset(),
-                 max_draft_tokens: int = 0, kv_cache_dtype: torch.dtype | None = None,
-                 prefill_graph_tokens: int = 0):
+    def __init__(self, config: EngineConfig, tp: TPGroup, eos_token_ids=frozenset()):
+        device, dtype, kv_cache_dtype = config.parallel.device, config.model.dtype, config.cache.dtype
+        block_size, max_draft_tokens = config.cache.block_size, config.speculative.max_draft_tokens
+        max_num_seqs, max_model_len = config.scheduler.max_num_seqs, config.scheduler.max_model_len
+        cuda_graphs, prefill_graph_tokens = config.parallel.cuda_graphs, config.parallel.prefill_graph_tokens
         self.device, self.dtype, self.tp = device, dtype, tp
         self.block_size = block_size
         start = time.perf_counter()
-        self.model = build_model(config, device, dtype, tp, model_class)
-        load_checkpoint(self.model, model_dir, progress=progress)
+        self.model = build_model(config.model.config, device, dtype, tp, config.model.model_class)
+        load_checkpoint(self.model, config.model.model_dir, progress=config.progress)
         self.model.eval()
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = unique_parameter_bytes(self.model)
@@ -169,10 +172,10 @@ class ModelRunner:
         free_bytes = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - reserve_bytes)
+            free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - config.cache.reserve_bytes)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, self.kv_cache_dtype), block_size, max_num_seqs,
-                                     max_model_len, free_bytes, mem_utilization)
+                                     max_model_len, free_bytes, config.cache.mem_utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, self.kv_cache_dtype, device)
 
@@ -181,8 +184,8 @@ class ModelRunner:
         # for the step in flight, so up to twice max_num_seqs rows are held.
         self.tables = BlockTables(2 * max_num_seqs, self.max_blocks_per_seq, block_size, device, max_draft_tokens)
         max_rows = max_num_seqs * (1 + max_draft_tokens)  # decode tokens (and logits rows) of a decode step
-        self.sampling = SamplingRows(self.tables.pad_row + 1, config.vocab_size, max_rows, device, Sampler(tp),
-                                     eos_token_ids)
+        self.sampling = SamplingRows(self.tables.pad_row + 1, config.model.config.vocab_size, max_rows, device,
+                                     Sampler(tp), eos_token_ids)
         # the static decode inputs, two host staging copies (pinned on CUDA) used in turn with the events of
         # their last copies, and the gathered block tables of the decode tokens
         cuda = device.type == "cuda"

@@ -77,6 +77,38 @@ from engine.sequence import Sequence, SequenceStatus
 ADMISSION_POLICIES = ("watermark", "reserve")  # the first is the default
 
 
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """Continuous batching's limits, checked here once (a value that cannot work is a ValueError
+    naming it, raised where the settings are made: for an engine, when its config is resolved,
+    before any weight is read). At most ``max_num_seqs`` sequences run and a step carries at most
+    ``max_num_batched_tokens`` tokens (never below ``max_num_seqs``: a decode step has one token
+    per sequence); ``max_model_len`` bounds prompt + output; ``admission`` is one of
+    ``ADMISSION_POLICIES``; ``prefill_tokens_beside_decodes``: most prompt tokens in a step that
+    decodes (0: no cap beyond the budget); ``overlap``: the engine schedules a step while the
+    previous one runs (the scheduler's lookahead; it schedules correctly either way).
+    ``engine.engine_config`` decides the defaults an engine gets."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    admission: str = ADMISSION_POLICIES[0]
+    prefill_tokens_beside_decodes: int = 0
+    overlap: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError(f"max_num_seqs and max_model_len must be >= 1, got {self.max_num_seqs}, "
+                             f"{self.max_model_len}")
+        if self.prefill_tokens_beside_decodes < 0:
+            raise ValueError(f"prefill_tokens_beside_decodes must be >= 0 (0: no cap), got "
+                             f"{self.prefill_tokens_beside_decodes}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}): a decode step has one token per sequence")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
+
+
 @dataclass
 class ScheduledBatch:
     """One step: sequence ``seqs[i]`` computes ``num_tokens[i]`` tokens from position
@@ -187,30 +219,21 @@ class Scheduler:
     ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
     list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
     ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
-    ``prefill_tokens_beside_decodes``: most prompt tokens in a step that decodes (0: the budget's).
+    ``settings``'s limits (``SchedulerSettings``) are copied onto the scheduler's attributes.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_id: int | Iterable[int] | None, admission: str = "watermark",
-                 watermark: float = 0.01, drafter=None, on_free: Callable[[Sequence], None] | None = None,
-                 prefill_tokens_beside_decodes: int = 0):
-        if max_num_seqs < 1 or max_model_len < 1:
-            raise ValueError(f"max_num_seqs and max_model_len must be >= 1, got {max_num_seqs}, {max_model_len}")
-        if prefill_tokens_beside_decodes < 0:
-            raise ValueError(f"prefill_tokens_beside_decodes must be >= 0, got {prefill_tokens_beside_decodes}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                             f"max_num_seqs ({max_num_seqs}): a decode batch has one token per sequence")
-        if admission not in ADMISSION_POLICIES:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {admission!r}")
+    def __init__(self, settings: SchedulerSettings, block_manager: BlockManager,
+                 eos_token_id: int | Iterable[int] | None, drafter=None,
+                 on_free: Callable[[Sequence], None] | None = None, watermark: float = 0.01):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.settings = settings
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_tokens_beside_decodes = prefill_tokens_beside_decodes
-        self.max_model_len = max_model_len
-        self.admission = admission
+        self.max_num_seqs = settings.max_num_seqs
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
+        self.prefill_tokens_beside_decodes = settings.prefill_tokens_beside_decodes
+        self.max_model_len = settings.max_model_len
+        self.admission = settings.admission
         self.watermark = watermark
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.drafter = drafter

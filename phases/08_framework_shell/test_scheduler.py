@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
 from engine.sequence import SamplingParams, Sequence
 from engine.sequence import SequenceStatus as S
 from shell_kv_oracle import KVOracle
@@ -57,8 +57,8 @@ class Freed(list):
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                    admission="watermark"):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_id=EOS,
-                     admission=admission, on_free=Freed()), bm
+    settings = SchedulerSettings(max_num_seqs, max_num_batched_tokens, max_model_len, admission)
+    return Scheduler(settings, bm, eos_token_id=EOS, on_free=Freed()), bm
 
 
 def entries(batch: ScheduledBatch) -> list[tuple[str, int, int]]:
@@ -262,8 +262,8 @@ def run_workload(admission, overlap, block_size, max_model_len, max_num_seqs, bu
     budget = max(max_num_seqs, max_model_len + budget_slack)
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission, on_free=Freed(),
-                      prefill_tokens_beside_decodes=beside)
+    settings = SchedulerSettings(max_num_seqs, budget, max_model_len, admission, prefill_tokens_beside_decodes=beside)
+    sched = Scheduler(settings, bm, eos_token_id=EOS, on_free=Freed())
     check = StepChecker(sched, block_size)
     families = [[rng.randint(1, 5) for _ in range(8)] for _ in range(3)]
     seqs = [Sequence(families[r["family"]][:r["shared"]] + r["tail"],
@@ -623,7 +623,7 @@ def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_take
     prompt tokens (a long prompt goes on in chunks of that size, a second prompt cut beside it),
     while a step with nothing to decode fills the whole token budget."""
     bm = BlockManager(32, 2)
-    sched = Scheduler(bm, 4, 16, 64, eos_token_id=EOS, prefill_tokens_beside_decodes=3)
+    sched = Scheduler(SchedulerSettings(4, 16, 64, prefill_tokens_beside_decodes=3), bm, eos_token_id=EOS)
     first = Sequence(list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True), request_id="first")
     sched.add(first)
     batch = sched.schedule()
@@ -640,7 +640,7 @@ def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_take
                      [("first", 13, 1), ("second", 3, 2), ("third", 0, 1)],
                      [("first", 14, 1), ("second", 5, 1), ("third", 1, 3)]]
     with pytest.raises(ValueError, match="prefill_tokens_beside_decodes"):
-        Scheduler(BlockManager(4, 2), 1, 4, 8, eos_token_id=EOS, prefill_tokens_beside_decodes=-1)
+        SchedulerSettings(1, 4, 8, prefill_tokens_beside_decodes=-1)
 
 
 def test_a_step_whose_decode_waits_for_a_block_caps_its_prompt_tokens_too():
@@ -648,7 +648,7 @@ def test_a_step_whose_decode_waits_for_a_block_caps_its_prompt_tokens_too():
     step goes on with the running prompt's chunk: that chunk is capped as if the decode ran (the
     decode waits for the step all the same)."""
     bm = BlockManager(13, 4)
-    sched = Scheduler(bm, 4, 16, 64, eos_token_id=EOS, prefill_tokens_beside_decodes=2)
+    sched = Scheduler(SchedulerSettings(4, 16, 64, prefill_tokens_beside_decodes=2), bm, eos_token_id=EOS)
     sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=14, ignore_eos=True), request_id="a"))
     in_flight, drained = None, []
     for step in range(14):
@@ -720,7 +720,8 @@ def test_admission_waits_for_a_prefix_another_sequence_is_computing():
 def test_block_size_is_injectable(block_size):
     """The scheduler takes its block size from the BlockManager it is given."""
     bm = BlockManager(num_blocks=2, block_size=block_size)
-    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=512, max_model_len=512, eos_token_id=EOS)
+    sched = Scheduler(SchedulerSettings(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=512), bm,
+                      eos_token_id=EOS)
     seq = Sequence([1] * 20, SamplingParams(max_tokens=4))  # 23 KV tokens
     assert sched.add(seq) is (blocks(23, block_size) <= 2)
     if block_size > 1:
@@ -741,12 +742,12 @@ def test_decode_reserves_a_slot_for_every_running_sequence():
 
 def test_multiple_eos_ids_and_none():
     bm = BlockManager(8, 2)
-    sched = Scheduler(bm, 2, 8, 16, eos_token_id=[7, 8])
+    sched = Scheduler(SchedulerSettings(2, 8, 16), bm, eos_token_id=[7, 8])
     a, b = Sequence([1], SamplingParams(max_tokens=2)), Sequence([2], SamplingParams(max_tokens=2))
     sched.add(a)
     sched.add(b)
     assert sched.postprocess(sched.schedule(), [8, 3]).finished == [a] and a.finish_reason == "stop"
-    no_eos = Scheduler(BlockManager(8, 2), 1, 8, 16, eos_token_id=None)
+    no_eos = Scheduler(SchedulerSettings(1, 8, 16), BlockManager(8, 2), eos_token_id=None)
     c = Sequence([1], SamplingParams(max_tokens=2))
     no_eos.add(c)
     steps = run_to_completion(no_eos, token=0)
@@ -756,10 +757,14 @@ def test_multiple_eos_ids_and_none():
 def test_bad_arguments_raise():
     bm = BlockManager(8, 2)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=2, max_model_len=16, eos_token_id=0)
+        SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=2, max_model_len=16)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Scheduler(bm, max_num_seqs=0, max_num_batched_tokens=2, max_model_len=16, eos_token_id=0)
-    sched = Scheduler(bm, 2, 8, 16, eos_token_id=0)
+        SchedulerSettings(max_num_seqs=0, max_num_batched_tokens=2, max_model_len=16)
+    with pytest.raises(ValueError, match="admission"):
+        SchedulerSettings(2, 8, 16, admission="lottery")
+    with pytest.raises(ValueError, match="watermark"):
+        Scheduler(SchedulerSettings(2, 8, 16), bm, eos_token_id=0, watermark=1.0)
+    sched = Scheduler(SchedulerSettings(2, 8, 16), bm, eos_token_id=0)
     seq = Sequence([1], request_id="x")
     sched.add(seq)
     with pytest.raises(ValueError, match="already scheduled"):

@@ -68,6 +68,5 @@ def shrink_kv_pool(engine, num_blocks: int) -> None:
     assert not old.has_unfinished() and num_blocks <= engine.runner.num_blocks
     engine.block_manager = BlockManager(num_blocks, old.block_manager.block_size,
                                         old.block_manager.enable_prefix_caching)
-    engine.scheduler = Scheduler(engine.block_manager, old.max_num_seqs, old.max_num_batched_tokens, old.max_model_len,
-                                 old.eos_token_ids, old.admission, old.watermark, old.drafter, old.on_free,
-                                 old.prefill_tokens_beside_decodes)
+    engine.scheduler = Scheduler(old.settings, engine.block_manager, old.eos_token_ids, old.drafter, old.on_free,
+                                 old.watermark)

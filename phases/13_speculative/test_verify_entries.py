@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
 from engine.sequence import SamplingParams, Sequence
 from engine.sequence import SequenceStatus as S
 from engine.speculative import NgramDrafter
@@ -129,7 +129,7 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
     budget = max(max_num_seqs, max_model_len + budget_slack)
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos_token_id=EOS, admission=admission,
+    sched = Scheduler(SchedulerSettings(max_num_seqs, budget, max_model_len, admission), bm, eos_token_id=EOS,
                       drafter=NgramDrafter(k, prompt_lookup_min=1, prompt_lookup_max=3))
     kv = KVModel(block_size)
     families = [[rng.randint(0, 5) for _ in range(6)] for _ in range(2)]
@@ -167,7 +167,8 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
 
 def make(num_blocks=32, block_size=4, budget=64, max_model_len=64, k=4):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, 1, budget, max_model_len, eos_token_id=EOS, drafter=NgramDrafter(k, 1, 3)), bm
+    return Scheduler(SchedulerSettings(1, budget, max_model_len), bm, eos_token_id=EOS,
+                     drafter=NgramDrafter(k, 1, 3)), bm
 
 
 def prefill(sched: Scheduler, seq: Sequence, first: int) -> None:
