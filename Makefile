@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned: the CPU build lies on local disk here; unpinned, pip would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
-# Phases whose mutations CI plants and checks (python -m gates audit); the README says why these.
+# Phases whose mutations CI plants and checks (python -m gates audit); docs/gates.md says why these.
 AUDIT_PHASES ?= 05,06
 AUDIT_JOBS ?= 2
 

@@ -1,4 +1,4 @@
-"""Resident memory of a server under a flood of distinct grammars (the figure README's structured
+"""Resident memory of a server under a flood of distinct grammars (the figure docs/agents.md's structured
 outputs section states): serve the demo model on CPU, then print the resident MiB of the server and
 of each process under it (forkserver, compile workers) idle, after each of FLOODS floods of N
 distinct schemas (every third a 3,000-string enum, the rest 60-field objects) from 16 clients at

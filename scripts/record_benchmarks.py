@@ -1,7 +1,15 @@
 """Record the GPU figures of benchmark reports in ``benchmarks.json`` (the repository's figures,
-written from the benchmarks' JSON, never typed in).
+written from the benchmarks' JSON, never typed in), and render them as ``BENCHMARKS.md``.
 
     python scripts/record_benchmarks.py REPORT.json [REPORT.json ...] [--into benchmarks.json] [--only REGEX]
+    python scripts/record_benchmarks.py                          # BENCHMARKS.md again from benchmarks.json
+    python scripts/record_benchmarks.py --markdown BENCHMARKS.md # the same, naming the file
+
+``BENCHMARKS.md`` is generated (``render_markdown``), never edited by hand: every run rewrites the
+``BENCHMARKS.md`` beside the ``--into`` file (``--markdown PATH`` names another, ``--no-markdown``
+writes none), so recording figures updates both, and a run without reports only renders the file
+again. ``phases/11_performance/test_record_benchmarks.py`` fails when the checked-in file differs
+from the rendering of the checked-in ``benchmarks.json``.
 
 Each report is the JSON of ``python -m engine bench latency | throughput | spec``, of
 ``python -m engine.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
@@ -266,15 +274,160 @@ def figures_of(report: dict) -> dict:
             for name, figure in MAPPERS[kind](report).items()}
 
 
+# BENCHMARKS.md: the figures grouped by what they measure. A figure goes to the first group of
+# GROUP_MATCH_ORDER whose pattern matches its whole name (speculative and serving names also hold
+# ``_b1_`` or ``_throughput``), else to "other"; the groups print in GROUPS' order, each figure
+# sorted by name, so the file depends on the figures alone, never on their order in the JSON.
+GROUPS = {  # key: (heading, what it holds and how it is measured)
+    "decode": ("Decode at B=1", "Output tok/s of one sequence (`python -m engine bench latency`): `graphs` with CUDA "
+               "graphs (the default), `eager` with `--enforce-eager`, `_fp8` FP8 weights, `_fp8kv` an FP8 KV "
+               "cache, `_no_overlap` synchronous steps; peers: transformers on the same weights in the same run. "
+               "Device scripts: `scripts/gpu_overlap.sh`, `scripts/gpu_decode.sh`, `scripts/gpu_fp8.sh`, "
+               "`scripts/gpu_new_models.sh`."),
+    "prefill": ("Prefill and time to first token", "One N-token prompt from the same latency runs: "
+                "`_prefill_<N>_tok_s` is N / TTFT, `_ttft_<N>_ms` the TTFT itself (`_prefill_graphs<N>` when "
+                "`--prefill-graph-tokens` is set). Device scripts: those of B=1 decode and "
+                "`scripts/gpu_piecewise.sh`."),
+    "throughput": ("Offline throughput", "nano-vllm's shape (`python -m engine bench throughput`: 256 sequences, "
+                   "100-1,024 tokens in and out): output tok/s and NVML GPU busy, the mean over the timed run. "
+                   "Device scripts: `scripts/gpu_overlap.sh`, `scripts/gpu_decode.sh`, `scripts/gpu_fp8.sh`, "
+                   "`scripts/gpu_piecewise.sh`."),
+    "serve": ("Serving under load", "`python -m engine bench serve --launch` at N concurrent requests (`_cN`): output "
+              "tok/s, ITL median and p99, TTFT p99; `_budget<B>` a step token budget other than the default, "
+              "`_beside<N>` a cap of N prompt tokens beside decodes. Device scripts: `scripts/gpu_piecewise.sh`, "
+              "`scripts/gpu_overlap.sh`."),
+    "speculative": ("Speculative decoding", "`python -m engine bench spec` (n-gram drafts, k = 4): tokens per target "
+                    "forward (no device changes them, so a CPU run records them), B=1 tok/s with the plain engine's "
+                    "as peer, and a verify step's cost over a decode step. Device script: `scripts/gpu_spec.sh`."),
+    "structured": ("Structured outputs under load", "`python -m engine bench serve --structured`: constrained over "
+                   "plain output tok/s under the same load (`structured`: a json_schema, `tools`: a forced tool "
+                   "call), with the grammar's costs as peers. Device script: `scripts/gpu_structured.sh`."),
+    "floors": ("Device floors", "`scripts/bench_floors.py`: a cuBLAS matmul chain over the model's weights (the B=1 "
+               "decode floor), with the copy bandwidth and prefill GEMMs as peers."),
+    "other": ("Other figures", "Figures of no group above."),
+}
+GROUP_PATTERNS = {
+    "speculative": r"(demo_)?spec_ngram_\w+|\w+_spec_verify_k\d+_ratio",
+    "structured": r"\w+_(structured|tools)_vs_plain_throughput\w*_ratio",
+    "serve": r"\w+_serve_c\d+\w*",
+    "throughput": r"\w+_throughput\w*",
+    "floors": r"\w+_matmul_chain\w*",
+    "prefill": r"\w+_(prefill|ttft)_\d+\w*",
+    "decode": r"\w+_b1_\w+",
+}
+GROUP_MATCH_ORDER = tuple(GROUP_PATTERNS)
+
+
+def group_of(name: str) -> str:
+    """The BENCHMARKS.md group of a figure's name (a key of GROUPS)."""
+    return next((group for group in GROUP_MATCH_ORDER if re.fullmatch(GROUP_PATTERNS[group], name)), "other")
+
+
+def format_number(value) -> str:
+    """A figure's value as BENCHMARKS.md shows it: four significant digits, whole numbers from 1,000 on
+    (with thousands separators), ints whole, booleans as JSON spells them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if value is None:
+        return "—"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def _cell(text: str) -> str:
+    """Text that stays in its table cell: pipes escaped, line breaks as spaces."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    """A code span around text (longer fences when the text holds backticks), for a table cell."""
+    text = " ".join(str(text).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if fence != "`" else ""
+    return _cell(f"{fence}{pad}{text}{pad}{fence}")
+
+
+def _day(date: str) -> str:
+    return date[:10] if re.match(r"\d{4}-\d\d-\d\d", date or "") else (date or "—")
+
+
+def render_markdown(figures: dict) -> str:
+    """BENCHMARKS.md for ``figures`` (``benchmarks.json``'s ``"figures"``: name -> {"value", "unit",
+    "command", "date", "device", "peer"}): a header saying it is generated and how to reproduce the
+    figures, then a table per group of GROUPS (figure, value with its unit, same-run peers, device,
+    day, command), each figure sorted by name."""
+    devices: dict[str, int] = {}
+    for figure in figures.values():
+        devices[figure.get("device", "?")] = devices.get(figure.get("device", "?"), 0) + 1
+    days = sorted(_day(figure.get("date", "")) for figure in figures.values())
+    measured = (f"{len(figures)} figures, measured from {days[0]} to {days[-1]} on "
+                + ", ".join(f"{device} ({count})" for device, count in sorted(devices.items())) + "."
+                if figures else "No figures recorded yet.")
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by scripts/record_benchmarks.py from benchmarks.json: do not edit by hand. -->",
+        "",
+        "**Generated from `benchmarks.json` by `scripts/record_benchmarks.py`: do not edit by hand.** "
+        "Recording figures (`python scripts/record_benchmarks.py REPORT.json ...`) rewrites this file; "
+        "`python scripts/record_benchmarks.py --markdown BENCHMARKS.md` renders it again from "
+        "`benchmarks.json` alone. A test (`phases/11_performance/test_record_benchmarks.py`) fails when "
+        "the two differ.",
+        "",
+        measured,
+        "",
+        "**Reproducing a figure.** Its command, run from the repository root with `PYTHONPATH=.` on the "
+        "device named, writes the JSON report it was read from; `python scripts/record_benchmarks.py "
+        "REPORT.json` records it here. Models named by a preset (`qwen3_8b`, `llama3_8b`, `dsv2_lite`, ...) are "
+        "full-size configurations with random bf16 weights made on the GPU (`--preset NAME --random-weights`; "
+        "`_fp8`: quantized at load); the `demo_` and `spec_ngram_` figures are the shipped demo model's. "
+        "The device scripts run the commands in bundles of one device call "
+        "each (`bash scripts/gpu_overlap.sh`, `gpu_decode.sh`, `gpu_fp8.sh`, `gpu_piecewise.sh`, "
+        "`gpu_new_models.sh`, `gpu_spec.sh`, `gpu_structured.sh`, `gpu_issue21.sh`; their headers list the "
+        "sections). How the figures are measured, and what they say: "
+        "[docs/performance.md](docs/performance.md); kernel-level notes: "
+        "[docs/performance-notes.md](docs/performance-notes.md); the dated session logs that were this file "
+        "before it was generated: `git show 17e792a:BENCHMARKS.md`.",
+    ]
+    grouped: dict[str, list[str]] = {group: [] for group in GROUPS}
+    for name in sorted(figures):
+        grouped[group_of(name)].append(name)
+    for group, names in grouped.items():
+        if not names:
+            continue
+        heading, about = GROUPS[group]
+        lines += ["", f"## {heading}", "", about, "",
+                  "| figure | value | peers (same run) | device | date | command |", "|---|---|---|---|---|---|"]
+        for name in names:
+            figure = figures[name]
+            peer = figure.get("peer") or {}
+            peers = "; ".join(f"{key} {format_number(value)}" for key, value in sorted(peer.items())) or "—"
+            value = f"{format_number(figure['value'])} {figure.get('unit', '')}".strip()
+            lines.append("| " + " | ".join([_code(name), _cell(value), _cell(peers), _cell(figure.get("device", "—")),
+                                             _cell(_day(figure.get("date", ""))), _code(figure.get("command", ""))])
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reports", nargs="+", metavar="REPORT.json")
+    parser.add_argument("reports", nargs="*", metavar="REPORT.json",
+                        help="benchmark reports to record (none: only render BENCHMARKS.md again)")
     parser.add_argument("--into", default=str(Path(__file__).resolve().parents[1] / "benchmarks.json"),
                         help="the file to update (default: benchmarks.json at the repository root)")
     parser.add_argument("--only", metavar="REGEX", type=re.compile,
                         help="record only the figures whose name matches (a report's other figures are left as "
                              "they are, e.g. a headline measured under other settings elsewhere)")
+    markdown = parser.add_mutually_exclusive_group()
+    markdown.add_argument("--markdown", metavar="PATH",
+                          help="where to write the rendered figures (default: BENCHMARKS.md beside --into)")
+    markdown.add_argument("--no-markdown", action="store_true", help="write no markdown")
     args = parser.parse_args(argv)
+    if not args.reports and args.no_markdown:
+        parser.error("nothing to do: no report to record and --no-markdown")
     recorded = {}
     for path in args.reports:
         report = json.loads(Path(path).read_text())
@@ -291,13 +444,20 @@ def main(argv: list[str] | None = None) -> int:
             figures = {name: figure for name, figure in figures.items() if args.only.fullmatch(name)}
         recorded.update(figures)
     into = Path(args.into)
+    if not args.reports and not into.is_file():
+        parser.error(f"{into} does not exist: nothing to render")
     data = json.loads(into.read_text()) if into.is_file() else {"figures": {}}
-    data["figures"].update(recorded)
-    data["figures"] = dict(sorted(data["figures"].items()))
-    into.write_text(json.dumps(data, indent=1) + "\n")
-    for name, figure in recorded.items():
-        print(f"{name:<36} {figure['value']:>12.4g} {figure['unit']:<6} {figure['device']} {figure['date']}")
-    print(f"wrote {len(recorded)} figure(s) to {into}", file=sys.stderr)
+    if args.reports:
+        data["figures"].update(recorded)
+        data["figures"] = dict(sorted(data["figures"].items()))
+        into.write_text(json.dumps(data, indent=1) + "\n")
+        for name, figure in recorded.items():
+            print(f"{name:<36} {figure['value']:>12.4g} {figure['unit']:<6} {figure['device']} {figure['date']}")
+        print(f"wrote {len(recorded)} figure(s) to {into}", file=sys.stderr)
+    if not args.no_markdown:
+        markdown_path = Path(args.markdown) if args.markdown else into.with_name("BENCHMARKS.md")
+        markdown_path.write_text(render_markdown(data["figures"]))
+        print(f"wrote {len(data['figures'])} figure(s) to {markdown_path}", file=sys.stderr)
     return 0
 
 

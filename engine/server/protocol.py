@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16  # choices per prompt
 MAX_BAD_WORD_CHARS = 256
-# The field policy (README, "Fields"): OpenAI's fields that mean nothing to a server like this one
+# The field policy (docs/agents.md, "Fields"): OpenAI's fields that mean nothing to a server like this one
 # are accepted and ignored, as OpenAI-compatible servers do; a field of no API served is a 400.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_retention", "verbosity", "prediction"}

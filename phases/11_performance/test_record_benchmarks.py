@@ -5,16 +5,22 @@ parses back to the same settings; CPU reports are refused by the command line; a
 short report (host A's recorded figures, ``recorded_hosts.json``, in the shape ``run_short``
 reports) and a floors report merge into an existing file, keeping its other figures; a
 ``bench serve --structured`` report records its constrained / plain throughput ratios.
+BENCHMARKS.md is the rendering of benchmarks.json (checked in, never edited by hand): the two
+never drift apart, and the renderer shows every figure once, in its group, in a fixed order.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.__main__ import main as engine_main
 from engine.bench import add_bench_command
@@ -23,6 +29,7 @@ from engine.bench.short import FULL, RAW_FIGURES
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import record_benchmarks  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads(Path(__file__).with_name("recorded_hosts.json").read_text())["hosts"]
 MACHINE = {"device": "NVIDIA H200", "time": "2026-11-29T23:17:44+0000", "host": "vm"}
 
@@ -222,3 +229,115 @@ def test_a_plain_serve_report_records_throughput_itl_and_ttft_under_its_concurre
         record_benchmarks.figures_of({**report, "serve": {**report["serve"], "completed": 7}})
     with pytest.raises(ValueError, match="needs --max-concurrency"):
         record_benchmarks.figures_of({**report, "settings": {**report["settings"], "max_concurrency": None}})
+
+
+def test_benchmarks_md_is_the_rendering_of_benchmarks_json():
+    """The checked-in BENCHMARKS.md is generated: it must equal the rendering of the checked-in
+    benchmarks.json, so no figure is typed in and the two cannot drift apart."""
+    figures = json.loads((ROOT / "benchmarks.json").read_text())["figures"]
+    rendered = record_benchmarks.render_markdown(figures)
+    assert (ROOT / "BENCHMARKS.md").read_text() == rendered, (
+        "BENCHMARKS.md differs from benchmarks.json's rendering: run "
+        "`python scripts/record_benchmarks.py --markdown BENCHMARKS.md` (never edit it by hand)")
+
+
+def test_recording_without_reports_renders_the_markdown_beside_the_figures(tmp_path):
+    """No report: the command line only renders BENCHMARKS.md beside --into (or --markdown PATH),
+    leaving the figures as they are; recording a report rewrites both."""
+    into = tmp_path / "benchmarks.json"
+    kept = {"value": 1.5, "unit": "x", "command": "c", "date": "2026-01-02T00:00:00+0000", "device": "g", "peer": {}}
+    into.write_text(json.dumps({"figures": {"older_figure": kept}}))
+    before = into.read_text()
+    assert record_benchmarks.main(["--into", str(into)]) == 0
+    assert into.read_text() == before
+    assert (tmp_path / "BENCHMARKS.md").read_text() == record_benchmarks.render_markdown({"older_figure": kept})
+    elsewhere = tmp_path / "docs" / "figures.md"
+    elsewhere.parent.mkdir()
+    assert record_benchmarks.main(["--into", str(into), "--markdown", str(elsewhere)]) == 0
+    assert elsewhere.read_text() == (tmp_path / "BENCHMARKS.md").read_text()
+    with pytest.raises(SystemExit):
+        record_benchmarks.main(["--into", str(into), "--no-markdown"])  # nothing to do
+    with pytest.raises(SystemExit):
+        record_benchmarks.main(["--into", str(tmp_path / "missing.json")])
+    floors = {"bench": "floors", "command": "python scripts/bench_floors.py", "machine": MACHINE,
+              "preset": "qwen3-8b", "copy_gb_s": 4250.0, "copy_floor_tok_s": 259.4, "prefill_gemm_tok_s": 48989.0,
+              "gemm_tflops": 680.0, "matmul_chain_tok_s": 236.0}
+    report = tmp_path / "floors.json"
+    report.write_text(json.dumps(floors))
+    assert record_benchmarks.main([str(report), "--into", str(into)]) == 0
+    markdown = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "`qwen3_8b_matmul_chain_tok_s`" in markdown and "`older_figure`" in markdown
+
+
+# Figure names in the shapes record_benchmarks writes (and one it does not), with their group.
+NAME_SHAPES = [("{m}_b1_graphs_tok_s", "decode"), ("{m}_fp8_b1_eager_no_overlap_tok_s", "decode"),
+               ("{m}_prefill_4096_tok_s", "prefill"), ("{m}_ttft_128_prefill_graphs0_ms", "prefill"),
+               ("{m}_throughput_out_tok_s", "throughput"), ("{m}_throughput_fp8kv_gpu_busy_pct", "throughput"),
+               ("{m}_serve_c64_budget768_itl_p99_ms", "serve"), ("{m}_serve_c8_out_no_overlap_tok_s", "serve"),
+               ("spec_ngram_{m}_tokens_per_forward", "speculative"), ("demo_spec_ngram_{m}_b1_tok_s", "speculative"),
+               ("{m}_spec_verify_k4_ratio", "speculative"), ("{m}_structured_vs_plain_throughput_ratio", "structured"),
+               ("{m}_tools_vs_plain_throughput_ratio", "structured"), ("{m}_matmul_chain_tok_s", "floors"),
+               ("{m}_something_else", "other")]
+FIGURE = st.fixed_dictionaries({
+    "value": st.one_of(st.floats(min_value=-1e7, max_value=1e7, allow_nan=False), st.integers(-10**6, 10**6)),
+    "unit": st.sampled_from(["tok/s", "ms", "%", "x", "tokens/forward"]),
+    "command": st.text(st.sampled_from("abcxyz -_/.=|`,"), min_size=1, max_size=40).filter(str.strip),
+    "date": st.sampled_from(["2026-12-02T00:50:47+0000", "2026-01-31T23:59:59+0000"]),
+    "device": st.sampled_from(["NVIDIA H200", "cpu (x86_64, 2 threads)", "NVIDIA H100 | 80GB"]),
+    "peer": st.dictionaries(st.sampled_from(["plain_tok_s", "copy_gb_s", "same_tokens"]),
+                            st.one_of(st.booleans(), st.floats(0, 1e5, allow_nan=False), st.integers(0, 10**5)))})
+NAMES = st.dictionaries(st.tuples(st.sampled_from(range(len(NAME_SHAPES))),
+                                  st.sampled_from(["qwen3_8b", "dsv2_lite", "llama3_8b", "edit", "m"])),
+                        FIGURE, min_size=1, max_size=12)
+
+
+def _cells(row: str) -> list[str]:
+    """A markdown table row's cells (pipes escaped as \\| stay in their cell)."""
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def _code_span(cell: str) -> str:
+    """The text of a markdown code span (CommonMark: the fence's backticks off, then one space off
+    each side when both are there)."""
+    fence = re.match(r"`+", cell).group()
+    assert cell.endswith(fence), cell
+    inner = cell[len(fence):-len(fence)]
+    return inner[1:-1] if inner.startswith(" ") and inner.endswith(" ") and inner.strip() else inner
+
+
+@settings(max_examples=60, deadline=None)
+@given(NAMES, st.randoms(use_true_random=False))
+def test_the_markdown_shows_every_figure_once_in_its_group_in_a_fixed_order(drawn, rnd: random.Random):
+    """Rendering synthetic figures: one table row per figure, holding its name, rounded value and
+    unit, device, day and command; the row sits under its group's heading, groups in GROUPS' order
+    and names sorted within each; the text does not depend on the figures' order in the dict."""
+    figures = {NAME_SHAPES[shape][0].format(m=model): figure for (shape, model), figure in drawn.items()}
+    expected_group = {NAME_SHAPES[shape][0].format(m=model): NAME_SHAPES[shape][1] for shape, model in drawn}
+    text = record_benchmarks.render_markdown(figures)
+    items = list(figures.items())
+    rnd.shuffle(items)
+    assert record_benchmarks.render_markdown(dict(items)) == text
+    headings = {heading: group for group, (heading, _) in record_benchmarks.GROUPS.items()}
+    group, rows = None, []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            group = headings[line[3:]]
+        elif line.startswith("| `"):
+            rows.append((group, _cells(line)))
+    assert [name.strip("`") for _, (name, *_) in rows] == sorted(figures, key=lambda n: (
+        list(record_benchmarks.GROUPS).index(expected_group[n]), n))
+    for group, (name, value, peers, device, day, command) in rows:
+        figure = figures[name.strip("`")]
+        assert group == expected_group[name.strip("`")] == record_benchmarks.group_of(name.strip("`"))
+        assert value == f"{record_benchmarks.format_number(figure['value'])} {figure['unit']}"
+        assert (device, day) == (figure["device"], figure["date"][:10])
+        assert _code_span(command) == " ".join(figure["command"].split())
+        for key, peer in figure["peer"].items():
+            assert f"{key} {record_benchmarks.format_number(peer)}" in peers
+    assert "do not edit by hand" in text and "--markdown BENCHMARKS.md" in text
+
+
+def test_values_are_rounded_for_reading():
+    assert [record_benchmarks.format_number(v) for v in (40299.38785, 257.4488, 98.0769, 1.031064, 0.7026548, 3253,
+                                                         True, 6.848912)] == [
+        "40,299", "257.4", "98.08", "1.031", "0.7027", "3,253", "true", "6.849"]

@@ -323,7 +323,7 @@ OPENAI_RESPONSES_FIELDS = dict(
 
 
 def test_every_openai_field_the_sdks_send_is_accepted(client):
-    """Each field of README's table, sent by the openai SDK, is honoured or ignored, never a 400;
+    """Each field of docs/agents.md's "Fields" table, sent by the openai SDK, is honoured or ignored, never a 400;
     a field of no API is still a 400 naming it."""
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                          **OPENAI_CHAT_FIELDS)
