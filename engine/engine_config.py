@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
-from engine.kernels import FP8_DTYPE
+from engine.kernels import FP8_DTYPE, KernelSettings
 from engine.model_source import resolve_model
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.dense import DenseForCausalLM
@@ -117,7 +117,9 @@ class SpeculativeSettings:
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine option, decided. ``progress``: show a loading bar (default: on a terminal, on
-    rank 0).
+    rank 0). ``kernels``: the kernels' switches (CUDA backend, decode GEMV, FP8 GEMM), read from
+    their environment variables once, here (``KernelSettings.from_env``); the engine configures the
+    process with them before it builds a layer.
 
     ``scheduler`` (``engine.scheduler.SchedulerSettings``, which checks its values) gets these
     defaults: ``max_num_seqs`` 256 on CUDA, where batches pay, 16 on CPU, where the pool holds
@@ -135,6 +137,7 @@ class EngineConfig:
     parallel: ParallelSettings
     speculative: SpeculativeSettings
     progress: bool
+    kernels: KernelSettings
 
 
 def model_class_for(config: ModelConfig, backend: str) -> type | None:
@@ -217,7 +220,7 @@ def resolve(args: EngineArgs) -> EngineConfig:
                           args.overlap and ours and speculative.method is None),
         ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs and ours,
                                                                     max_num_batched_tokens), args.custom_all_reduce),
-        speculative, progress)
+        speculative, progress, KernelSettings.from_env())
 
 
 def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, serving: bool) -> int:

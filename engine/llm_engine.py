@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine import kernels
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
@@ -92,6 +93,7 @@ class LLMEngine:
         self.config, self.model_dir, self.dtype = c.model.config, c.model.model_dir, c.model.dtype
         self.device, self.overlap = c.parallel.device, c.scheduler.overlap
         self.max_model_len = c.scheduler.max_model_len
+        kernels.configure(c.kernels)  # before any layer is built: layers read decode_gemv then
         self.tokenizer = load_tokenizer(self.model_dir)
         self.tp = init_tp_distributed()
         if c.parallel.custom_all_reduce:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from engine import kernels  # noqa: E402
 from engine.bench.floors import dense_linear_shapes, elapsed_ms  # noqa: E402
 from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -79,12 +79,11 @@ def bench_gemm(preset: dict, row_counts: list[int]) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "m": m, "bf16_us": graph_us(lambda: F.linear(x, weight))}
             for gemm in ("triton", "scaled_mm"):
-                os.environ["AGENT_INFER_FP8_GEMM"] = gemm
                 try:
-                    row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
+                    with kernels.using(fp8_gemm=gemm):
+                        row[f"fp8_{gemm}_us"] = graph_us(lambda: fp8.fp8_linear(x, q, scales))
                 except (RuntimeError, ValueError) as error:  # scaled_mm refuses some shapes (M = 1 on torch 2.11)
                     row[f"fp8_{gemm}_us"], row[f"fp8_{gemm}_error"] = None, str(error).splitlines()[0]
-            os.environ.pop("AGENT_INFER_FP8_GEMM")
             if m <= MAX_ROWS:  # the launch shape the decode plan measured for this shape
                 plan = decode_plan(x, q, scales, None)
                 row["fp8_triton_config"] = {"kernel": type(plan).__name__, **plan._asdict()}

@@ -2,7 +2,8 @@
 
 Every op picks its backend from its first tensor's device: CPU tensors use the
 torch reference (``reference.py``); CUDA tensors use ``triton``.
-``AGENT_INFER_KERNELS=torch|triton|vllm`` forces the CUDA backend (vllm is opt-in: it
+``AGENT_INFER_KERNELS=torch|triton|vllm`` (``KernelSettings.backend``, ``settings.py``: read
+once per process, or set by an engine's config) forces the CUDA backend (vllm is opt-in: it
 needs ``vllm._custom_ops`` and ``flash_attn``); forcing one that cannot run here is an
 error. Each backend module is the dispatch table: it defines the same ten functions.
 The wrappers below check shapes only (never tensor values), so they add no host sync.
@@ -11,22 +12,20 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 from typing import Callable
 
 import torch
 
 from engine.kernels.rope import get_cos_sin_cache
+from engine.kernels.settings import BACKEND_ENV, KernelSettings, configure, current, using
 
 __all__ = ["backend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
            "get_cos_sin_cache", "store_kv_cache", "varlen_attention", "paged_decode_attention", "expert_gemv",
-           "qk_norm_rope_store", "decode_gemv"]
+           "qk_norm_rope_store", "decode_gemv", "KernelSettings", "configure", "current", "using"]
 
 FP8_DTYPE = torch.float8_e4m3fn  # e4m3: FP8 weights (phase 12) and an FP8 KV cache
 FP8_MAX = 448.0                  # its largest finite value: every cast to it saturates there, never NaN
-ENV_VAR = "AGENT_INFER_KERNELS"
-DECODE_GEMV_ENV = "AGENT_INFER_DECODE_GEMV"  # "1": linear layers take decode_gemv for a decode step's rows
 DECODE_GEMV_MAX_ROWS = 8
 _MODULES = {"torch": "engine.kernels.reference", "triton": "engine.kernels.triton",
             "vllm": "engine.kernels.vllm_backend"}
@@ -50,8 +49,7 @@ def _unavailable_reason(name: str) -> str | None:
 
 @functools.cache
 def _select(device_type: str, forced: str | None) -> str:
-    if forced is not None and forced not in _MODULES:
-        raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {', '.join(_MODULES)}")
+    """The backend for ``device_type`` with ``forced`` (a ``KernelSettings.backend``)."""
     if device_type == "cpu":
         return "torch"
     if device_type != "cuda":
@@ -59,14 +57,14 @@ def _select(device_type: str, forced: str | None) -> str:
     if forced is not None:
         reason = _unavailable_reason(forced)
         if reason is not None:
-            raise ValueError(f"{ENV_VAR}={forced} but that backend cannot run here ({reason})")
+            raise ValueError(f"{BACKEND_ENV}={forced} but that backend cannot run here ({reason})")
         return forced
     return next(name for name in ("triton", "torch") if _unavailable_reason(name) is None)
 
 
 def backend(device: torch.device | str = "cuda") -> str:
     """Name of the backend that runs ops on ``device``: "torch", "triton" or "vllm"."""
-    return _select(torch.device(device).type, os.environ.get(ENV_VAR) or None)
+    return _select(torch.device(device).type, current().backend)
 
 
 @functools.cache
@@ -75,7 +73,7 @@ def _module(name: str) -> ModuleType:
 
 
 def _ops(tensor: torch.Tensor) -> ModuleType:
-    return _module(_select(tensor.device.type, os.environ.get(ENV_VAR) or None))
+    return _module(_select(tensor.device.type, current().backend))
 
 
 def _require(ok: bool, message: Callable[[], str]) -> None:
@@ -241,8 +239,9 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def decode_gemv_rows(device: torch.device | str) -> int:
     """The most rows (a decode step's few) that a linear layer built on ``device`` hands to
     ``decode_gemv``, the others going to cuBLAS: ``DECODE_GEMV_MAX_ROWS`` on CUDA with
-    ``AGENT_INFER_DECODE_GEMV=1`` (off by default until the H200 measures it faster than cuBLAS),
+    ``KernelSettings.decode_gemv`` (``AGENT_INFER_DECODE_GEMV=1``; off by default until the H200
+    measures it faster than cuBLAS),
     else 0. A layer reads it once, when it is built; its forward then decides on shapes only
     (CUDA-graph safe)."""
-    on = torch.device(device).type == "cuda" and os.environ.get(DECODE_GEMV_ENV) == "1"
+    on = torch.device(device).type == "cuda" and current().decode_gemv
     return DECODE_GEMV_MAX_ROWS if on else 0

@@ -3,6 +3,8 @@ read tensor values on the host, never copy or convert inputs, and issue the same
 ops whatever the number of tokens (so they are CUDA-graph safe and cheap to dispatch)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,14 +14,12 @@ from primitives_checks import HAS_CUDA, HAS_TRITON, vllm_importable
 
 
 @pytest.fixture
-def env(monkeypatch):
-    """Set AGENT_INFER_KERNELS for one test (selection is cached per value, so no reload is needed)."""
-    def set_backend(value: str | None):
-        if value is None:
-            monkeypatch.delenv(K.ENV_VAR, raising=False)
-        else:
-            monkeypatch.setenv(K.ENV_VAR, value)
-    return set_backend
+def env():
+    """Force a CUDA backend (``KernelSettings.backend``) for one test, the settings before it
+    restored after (selection is cached per value, so no reload is needed)."""
+    before = K.current()
+    yield lambda value: K.configure(dataclasses.replace(before, backend=value))
+    K.configure(before)
 
 
 def test_cpu_tensors_always_use_the_torch_reference(env):
@@ -28,10 +28,28 @@ def test_cpu_tensors_always_use_the_torch_reference(env):
         assert K.backend("cpu") == "torch"
 
 
-def test_unknown_backend_name_is_a_value_error(env):
-    env("cudnn")
-    with pytest.raises(ValueError, match="expected one of torch, triton, vllm"):
-        K.backend("cpu")
+def test_unknown_backend_name_is_a_value_error():
+    with pytest.raises(ValueError, match="AGENT_INFER_KERNELS='cudnn': expected one of torch, triton, vllm"):
+        K.KernelSettings.from_env({"AGENT_INFER_KERNELS": "cudnn"})
+    with pytest.raises(ValueError, match="AGENT_INFER_FP8_GEMM='cublas': use 'triton' or 'scaled_mm'"):
+        K.KernelSettings(fp8_gemm="cublas")
+
+
+def test_the_switches_are_read_from_the_environment_once(env, monkeypatch):
+    """``KernelSettings.from_env`` maps each variable (an empty value is unset); dispatch reads the
+    configured settings, never the environment: a variable set afterwards changes nothing."""
+    assert K.KernelSettings.from_env({}) == K.KernelSettings(None, False, None)
+    assert K.KernelSettings.from_env({"AGENT_INFER_KERNELS": "torch", "AGENT_INFER_DECODE_GEMV": "1",
+                                      "AGENT_INFER_FP8_GEMM": "scaled_mm"}) == \
+        K.KernelSettings("torch", True, "scaled_mm")
+    assert K.KernelSettings.from_env({"AGENT_INFER_KERNELS": "", "AGENT_INFER_DECODE_GEMV": "0"}) == \
+        K.KernelSettings()
+    env(None)
+    monkeypatch.setenv("AGENT_INFER_KERNELS", "cudnn")  # would be a ValueError if dispatch read it
+    assert K.backend("cpu") == "torch"
+    with K.using(backend="torch", decode_gemv=True) as inside:
+        assert K.current() == inside and inside.decode_gemv and inside.backend == "torch"
+    assert K.current().backend is None and not K.current().decode_gemv
 
 
 @pytest.mark.parametrize("forced", ["triton", "vllm"])
@@ -41,7 +59,7 @@ def test_forcing_a_backend_that_cannot_run_is_a_value_error(env, forced):
     if runnable:
         pytest.skip(f"{forced} can run on this machine")
     env(forced)
-    with pytest.raises(ValueError, match=f"{K.ENV_VAR}={forced} but that backend cannot run here"):
+    with pytest.raises(ValueError, match=f"AGENT_INFER_KERNELS={forced} but that backend cannot run here"):
         K.backend("cuda")
 
 

@@ -14,6 +14,7 @@ import transformers
 from torch import nn
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 
+from engine import kernels
 from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
 from engine.kv_cache import bind_kv_cache
@@ -67,10 +68,16 @@ def randomize_norms(module: nn.Module, seed: int) -> None:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
 
 
-def test_mla_decode_through_triton_matches_float64(monkeypatch):
+@pytest.fixture
+def triton_kernels():
+    """The Triton backend forced for one test (``KernelSettings.backend``)."""
+    with kernels.using(backend="triton"):
+        yield
+
+
+def test_mla_decode_through_triton_matches_float64(triton_kernels):
     """One V2-Lite-shaped MLA layer, bf16 on the GPU (Triton kernels: varlen prefill,
     the latent paged decode with v_head_dim 512), against HF's attention in float64."""
-    monkeypatch.setenv("AGENT_INFER_KERNELS", "triton")
     torch.manual_seed(0)
     cfg = hf_config()
     with creating_in(torch.float32, "cuda"):
@@ -109,8 +116,7 @@ def test_mla_decode_through_triton_matches_float64(monkeypatch):
         assert figures[f"{part}_ours"] <= max(1.05 * figures[f"{part}_hf_bf16"], 1e-2)
 
 
-def test_deepseek_v2_lite_shape_matches_hf_with_teacher_forcing(monkeypatch):
-    monkeypatch.setenv("AGENT_INFER_KERNELS", "triton")
+def test_deepseek_v2_lite_shape_matches_hf_with_teacher_forcing(triton_kernels):
     torch.manual_seed(0)
     cfg = hf_config()
     with creating_in(torch.bfloat16, "cuda"):

@@ -15,13 +15,14 @@ import json
 import pytest
 import torch
 
+from engine import kernels
 from engine.kv_cache import bind_kv_cache
 from phases.harness import all_logits_step, num_blocks_for, random_qwen3_8b_pair, rel_err, run_paged
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 
-def test_qwen3_8b_shape_matches_hf_with_teacher_forcing(monkeypatch):
+def test_qwen3_8b_shape_matches_hf_with_teacher_forcing():
     hf, ours = random_qwen3_8b_pair()
     config = ours.config
 
@@ -30,9 +31,8 @@ def test_qwen3_8b_shape_matches_hf_with_teacher_forcing(monkeypatch):
     seqs = [torch.randint(0, config.vocab_size, (n + steps,), generator=gen).cuda() for n in prompt_lens]
 
     def run_ours(backend):
-        monkeypatch.setenv("AGENT_INFER_KERNELS", backend)
         bind_kv_cache(ours, num_blocks_for(map(len, seqs), block_size), block_size, torch.bfloat16, "cuda")
-        with torch.no_grad():
+        with torch.no_grad(), kernels.using(backend=backend):
             return run_paged(all_logits_step(ours), seqs, prompt_lens, block_size)
 
     logits = {"ours_triton": run_ours("triton"), "ours_torch_reference": run_ours("torch")}

@@ -371,3 +371,24 @@ def test_cached_tokens_of_a_one_token_request(engines):
     out = engine.pop_request(again)
     assert len(out.token_ids) == 1 and out.num_cached_tokens == 12
     assert_no_block_leaks(engine)
+
+
+def test_the_kernel_switches_are_read_once_into_the_config_and_set_by_the_engine(checkpoints, monkeypatch):
+    """The kernels' environment variables are read when the config is resolved (an unknown value a
+    ValueError naming its variable, before any weight is read); the engine configures the process
+    with its config's settings, whatever the environment says afterwards."""
+    from engine import kernels
+    from engine.engine_args import EngineArgs
+
+    path = checkpoints["Qwen3ForCausalLM"]
+    with kernels.using():  # the process's settings now, restored after
+        monkeypatch.setenv("AGENT_INFER_KERNELS", "torch")
+        monkeypatch.setenv("AGENT_INFER_DECODE_GEMV", "1")
+        config = EngineArgs(model=str(path), device="cpu", **ENGINE_ARGS).create_engine_config()
+        assert config.kernels == kernels.KernelSettings(backend="torch", decode_gemv=True)
+        monkeypatch.setenv("AGENT_INFER_FP8_GEMM", "cublas")
+        with pytest.raises(ValueError, match="AGENT_INFER_FP8_GEMM='cublas'"):
+            EngineArgs(model=str(path), device="cpu", **ENGINE_ARGS).create_engine_config()
+        monkeypatch.setenv("AGENT_INFER_KERNELS", "cudnn")  # read by nothing from here on
+        LLMEngine(config)
+        assert kernels.current() == config.kernels

@@ -180,7 +180,7 @@ def test_fp8_ops_replay_in_a_cuda_graph(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [300, 200, 130, 40, 8])
-def test_scaled_mm_switch_matches_triton(monkeypatch, rows):
+def test_scaled_mm_switch_matches_triton(rows):
     """cuBLAS block-wise scaling (the default for prefill rows on sm90, a timed candidate for 17-128
     rows, forced by ``AGENT_INFER_FP8_GEMM=scaled_mm``), the Triton kernels (``=triton``) and the
     default's choice give float64's result on
@@ -193,11 +193,7 @@ def test_scaled_mm_switch_matches_triton(monkeypatch, rows):
     q, s = quantize_groups(x)
     truth = dequantize(q, s) @ dequantize(weight, scales, 128).T
     for choice in ("triton", "scaled_mm", None):
-        if choice:
-            monkeypatch.setenv("AGENT_INFER_FP8_GEMM", choice)
-        else:
-            monkeypatch.delenv("AGENT_INFER_FP8_GEMM", raising=False)
-        assert rel_error(fp8.fp8_linear(x.cuda(), weight.cuda(), scales.cuda()).cpu(), truth) < 1e-2, choice
-    monkeypatch.setenv("AGENT_INFER_FP8_GEMM", "cublas")
+        with kernels.using(fp8_gemm=choice):
+            assert rel_error(fp8.fp8_linear(x.cuda(), weight.cuda(), scales.cuda()).cpu(), truth) < 1e-2, choice
     with pytest.raises(ValueError, match="AGENT_INFER_FP8_GEMM"):
-        fp8.fp8_linear(x.cuda(), weight.cuda(), scales.cuda())
+        kernels.KernelSettings.from_env({"AGENT_INFER_FP8_GEMM": "cublas"})

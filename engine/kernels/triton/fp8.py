@@ -32,12 +32,11 @@ time at 32-64 rows and the MMA GEMV 0.56-1.3, faster than cuBLAS at all 8 (shape
 at 6; the Triton GEMM's one tile per 64 rows took 4-20 times bf16's. Beyond 128 rows on sm90
 everything goes through ``scaled_mm`` after ``quantize_per_token_group`` (0.76-1.3 of bf16's time at
 256 rows, 0.65-0.77 at 4,096, where the Triton GEMM took 1.3); elsewhere the Triton GEMM.
-``AGENT_INFER_FP8_GEMM``: ``triton`` keeps the Triton kernels at every row count, ``scaled_mm`` takes
-cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
+``AGENT_INFER_FP8_GEMM`` (``KernelSettings.fp8_gemm``): ``triton`` keeps the Triton kernels at every row
+count, ``scaled_mm`` takes cuBLAS wherever it fits (any row count it accepts, any GPU it runs on).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -45,14 +44,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, GROUP, weight_block_rows
+from engine.kernels.settings import current
 from engine.kernels.triton import fp8_gemv, fp8_mma_gemv
 from engine.kernels.triton.fp8_tiles import finish_split, quantize_tile
 from engine.kernels.triton.gemv import MAX_ROWS, fastest
 from engine.kernels.triton.launcher import launch_kernel
 from engine.kernels.triton.semaphores import zeroed_counters
 
-GEMM_ENV = "AGENT_INFER_FP8_GEMM"   # unset: measured up to 128 rows, scaled_mm beyond on sm90; "triton" or
-                                    # "scaled_mm" forces one
 FUSED_QUANT_MAX_ROWS = 64           # up to this many rows the GEMM quantizes its own activations
 SCALED_MM = "scaled_mm"             # a plan's choice: cuBLAS block-wise scaling (_scaled_mm_linear)
 
@@ -207,13 +205,11 @@ def _batch_runs(a, weight, weight_scale, bias) -> dict:
 
 def plan(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
          bias: torch.Tensor | None) -> DecodeConfig | str:
-    """The launch ``fp8_linear`` runs for ``a [M, K]`` (see the module's docstring): ``GEMM_ENV``'s
-    choice when set; up to ``gemv.MAX_ROWS`` rows ``decode_plan``; up to ``fp8_mma_gemv.MAX_ROWS`` on
-    CUDA ``batch_plan``; beyond, ``SCALED_MM`` on sm90 where it takes the shape, else the GEMM."""
-    choice = os.environ.get(GEMM_ENV)
-    if choice not in (None, "triton", "scaled_mm"):
-        raise ValueError(f"{GEMM_ENV}={choice!r}: use 'triton' or 'scaled_mm' (unset: measured up to 128 rows, "
-                         "scaled_mm beyond on sm90)")
+    """The launch ``fp8_linear`` runs for ``a [M, K]`` (see the module's docstring):
+    ``KernelSettings.fp8_gemm``'s choice when set; up to ``gemv.MAX_ROWS`` rows ``decode_plan``; up
+    to ``fp8_mma_gemv.MAX_ROWS`` on CUDA ``batch_plan``; beyond, ``SCALED_MM`` on sm90 where it takes
+    the shape, else the GEMM."""
+    choice = current().fp8_gemm
     if choice == "scaled_mm" and _scaled_mm_takes(a, weight, weight_scale):
         return SCALED_MM
     rows = a.shape[0]
@@ -322,9 +318,9 @@ def _scaled_mm_takes(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def _scaled_mm_unforced(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether ``fp8_linear`` may choose cuBLAS for ``a`` when ``GEMM_ENV`` forces nothing: the
-    variable unset, an sm90 GPU, a shape ``scaled_mm`` takes."""
-    return (os.environ.get(GEMM_ENV) is None and _scaled_mm_takes(a, weight, weight_scale)
+    """Whether ``fp8_linear`` may choose cuBLAS for ``a`` when ``KernelSettings.fp8_gemm`` forces
+    nothing: no choice forced, an sm90 GPU, a shape ``scaled_mm`` takes."""
+    return (current().fp8_gemm is None and _scaled_mm_takes(a, weight, weight_scale)
             and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
