@@ -48,6 +48,7 @@ exercise-all: setup
 test: setup
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
+	$(BIN)/lint-imports --no-cache || status=1; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile --durations=25 -m "not torchrun" phases tests \
 		|| [ $$? -eq 5 ] || status=1; \
 	$(BIN)/python -m gates run --mode torchrun --keep-going --skip-empty \

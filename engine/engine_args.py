@@ -3,7 +3,7 @@
 ``EngineArgs.add_cli_args(parser)`` adds the "engine" option group every command that loads a
 model shares (``generate``, ``serve``, ``bench``), ``EngineArgs.from_cli_args(args)`` reads it
 back, ``create_engine_config()`` resolves every default into a frozen ``EngineConfig``
-(``engine.engine_config``), ``build()`` makes the engine from it, and ``to_cli_args()`` turns the
+(``engine.engine_config``), which ``LLMEngine(config)`` is built from, and ``to_cli_args()`` turns the
 options that differ from the defaults back into flags (what ``bench serve --launch`` passes to
 the server it starts). Fields without a flag are options of the Python API only.
 """
@@ -118,8 +118,3 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """These options with every default decided and every value checked."""
         return resolve(self)
-
-    def build(self):
-        from engine.llm_engine import LLMEngine
-
-        return LLMEngine(self.create_engine_config())

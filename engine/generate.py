@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
 
@@ -31,7 +32,7 @@ def add_generate_command(commands) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    engine = EngineArgs.from_cli_args(args).build()
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     sampling = {name: engine.sampling_defaults[name] if value is None else value for name, value in given.items()}
     params = SamplingParams(**sampling, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or ())

@@ -1,6 +1,7 @@
 """KV cache sizing and allocation: one paged cache per attention layer, shaped by the layer's spec.
 
-Each cache-owning layer declares what it stores per token (``KVCacheSpec``):
+Each cache-owning layer declares what it stores per token (its ``kv_spec``, a ``KVCacheSpec``,
+``engine.layers.attention``):
 K and V of ``num_heads x head_dim`` each (``Attention``), or one entry with no
 separate V (MLA's latent: ``kv_lora_rank + qk_rope_head_dim`` channels shared
 by every head, stored once). The pool is sized from the workload
@@ -12,44 +13,22 @@ allocate cache memory themselves.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.layers.attention import Attention
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """What one layer caches per token on this rank: ``num_heads x head_dim`` for K,
-    and as much again for V when ``separate_v`` (MLA: one latent head, no V cache)."""
-
-    num_heads: int
-    head_dim: int
-    separate_v: bool = True
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return (2 if self.separate_v else 1) * self.num_heads * self.head_dim * elem
-
-
-def kv_cache_spec(layer: nn.Module) -> KVCacheSpec:
-    """The spec of a cache-owning layer: ``Attention`` caches K/V of its local KV heads;
-    any other layer (MLA) declares its own ``kv_spec``."""
-    if isinstance(layer, Attention):
-        return KVCacheSpec(layer.num_kv_heads, layer.head_dim)
-    return layer.kv_spec
+from engine.layers.attention import KVCacheSpec
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers that own a KV cache, in module order: ``Attention`` and any layer with a ``kv_spec``."""
-    return [m for m in model.modules() if isinstance(m, Attention) or hasattr(m, "kv_spec")]
+    """The layers that own a KV cache, in module order: every layer that declares a ``kv_spec``
+    (``Attention``: K/V of its local KV heads; MLA: its latent)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "kv_spec", None), KVCacheSpec)]
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
     """Cache bytes one token takes on this rank, over all layers (K and V, or MLA's one latent)."""
-    return sum(kv_cache_spec(layer).bytes_per_token(dtype) for layer in attention_layers(model))
+    return sum(layer.kv_spec.bytes_per_token(dtype) for layer in attention_layers(model))
 
 
 def plan_num_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -81,7 +60,7 @@ def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: tor
     None. Returns the caches (layer order)."""
     caches = []
     for layer in attention_layers(model):
-        spec = kv_cache_spec(layer)
+        spec = layer.kv_spec
         shape = (num_blocks, block_size, spec.num_heads, spec.head_dim)
         if spec.separate_v:
             cache = torch.zeros(2, *shape, dtype=dtype, device=device)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from engine.bench.models import PRESETS
 from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
 
 SERVE_DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -311,7 +312,7 @@ def run_spec(engine, args: argparse.Namespace, report: dict) -> None:
     report["verify_step"] = spec.measure_verify_step(engine, args.num_speculative_tokens, args.verify_context,
                                                      args.verify_steps)
     if args.preset is None:
-        plain = replace(EngineArgs.from_cli_args(args), speculative=None).build()
+        plain = LLMEngine(replace(EngineArgs.from_cli_args(args), speculative=None).create_engine_config())
         report["workloads"] = spec.run_workloads(plain, engine, args.num_requests)
 
 

@@ -187,12 +187,13 @@ def open_engine(args: argparse.Namespace):
     """The LLMEngine the options name: ``--model DIR`` (default: the demo model), or ``--preset
     NAME --random-weights``. Yields (engine, weights) where ``weights`` says where they came from."""
     from engine.engine_args import EngineArgs
+    from engine.llm_engine import LLMEngine
 
     if args.preset is None:
-        yield EngineArgs.from_cli_args(args).build(), "checkpoint"
+        yield LLMEngine(EngineArgs.from_cli_args(args).create_engine_config()), "checkpoint"
         return
     with random_weights_args(args) as preset_args:
-        yield EngineArgs.from_cli_args(preset_args).build(), f"random (seed {args.seed})"
+        yield LLMEngine(EngineArgs.from_cli_args(preset_args).create_engine_config()), f"random (seed {args.seed})"
 
 
 def hf_model(engine, args: argparse.Namespace):

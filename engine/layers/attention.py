@@ -1,11 +1,27 @@
 """Paged attention over a KV cache owned by the engine."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from engine import kernels
 from engine.attention_context import eager_region, get_context
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer caches per token on this rank: ``num_heads x head_dim`` for K,
+    and as much again for V when ``separate_v`` (MLA: one latent head, no V cache)."""
+
+    num_heads: int
+    head_dim: int
+    separate_v: bool = True
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return (2 if self.separate_v else 1) * self.num_heads * self.head_dim * elem
 
 
 class Attention(nn.Module):
@@ -25,6 +41,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.kv_spec = KVCacheSpec(num_kv_heads, head_dim)  # what engine.kv_cache binds for this layer
         self.k_cache = self.v_cache = None  # [num_blocks, block_size, Hk, D], bound by kv_cache.bind_kv_cache
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor]:

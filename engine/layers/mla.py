@@ -8,7 +8,7 @@ from engine import kernels
 from engine.attention_context import eager_region, get_context
 from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
-from engine.kv_cache import KVCacheSpec
+from engine.layers.attention import KVCacheSpec
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding

@@ -25,7 +25,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     ``CausalLM``'s forward and compute_logits. Dense layers and attention split over
     ``tp``; routed experts over ``ep`` (default: the same ranks as ``tp``). Each MLA layer
-    caches one latent entry per token (``kv_cache.kv_cache_spec``). Checkpoint gate/up
+    caches one latent entry per token (its ``kv_spec``, ``kv_cache.attention_layers``). Checkpoint gate/up
     tensors load into merged projections through ``packed_modules``, per-expert tensors
     ``experts.<e>.<name>.weight`` into the stacked expert weights through ``expert_params``.
     ``max_graph_batch``: CUDA graphs are captured only up to ``DENSE_MAX_TOKENS``, the batch

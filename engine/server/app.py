@@ -47,6 +47,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from engine.engine_args import EngineArgs
+from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
 from engine.server import anthropic, reasoning, responses
 from engine.server.access import api_key_middleware, cors_middleware, ssl_context
@@ -426,7 +427,7 @@ def add_serve_command(commands) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = dataclasses.replace(EngineArgs.from_cli_args(args), serving=True).build()
+    engine = LLMEngine(dataclasses.replace(EngineArgs.from_cli_args(args), serving=True).create_engine_config())
     if engine.tp.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 gets them too and sends the stop
             signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", engine.tp.rank))

@@ -113,7 +113,7 @@ def test_revision_picks_a_branch_or_a_commit(hub_cache, checkpoints):
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(["--model", HUB_ID, "--revision", "v2"]))
     assert args.to_cli_args() == ["--model", HUB_ID, "--revision", "v2"]
-    v2 = args.build()
+    v2 = LLMEngine(args.create_engine_config())
     assert greedy(v2) == greedy(LLMEngine(checkpoints[1], **ENGINE_ARGS))
     assert greedy(v2) != greedy(LLMEngine(checkpoints[0], **ENGINE_ARGS))
     with pytest.raises(FileNotFoundError, match=r"'tiny-org/tiny-qwen3' \(revision 'v3'\).*HF_HUB_OFFLINE=1"):

@@ -108,7 +108,7 @@ def test_reserve_admission_from_the_command_line(cases):
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", str(path), "--device", "cpu", "--admission", "reserve", "--block-size", "4",
                               "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"])
-    engine = EngineArgs.from_cli_args(args).build()
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     assert engine.scheduler.admission == "reserve"
     shrink_kv_pool(engine, SMALL_POOL)
     assert run(engine, prompts) == expected
@@ -134,7 +134,8 @@ def test_prompt_tokens_beside_decodes_from_the_command_line(cases):
     with pytest.raises(ValueError, match="prefill_tokens_beside_decodes must be >= 0"):
         EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "-1"])) \
             .create_engine_config()
-    engine = EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "5"])).build()
+    capped = EngineArgs.from_cli_args(parser.parse_args([*flags, "--prefill-tokens-beside-decodes", "5"]))
+    engine = LLMEngine(capped.create_engine_config())
     assert "at most 5 prompt tokens beside decodes" in engine.summary()  # the start line says so
     steps = []  # (decodes, prompt tokens) of every step launched
     real_launch = engine.runner.launch

@@ -225,6 +225,6 @@ def test_options_are_checked_where_they_enter_and_overlap_is_turned_off(checkpoi
     args = EngineArgs(model=str(path), speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     flags = args.to_cli_args()
     assert flags[flags.index("--speculative") + 1] == "ngram" and "--num-speculative-tokens" in flags
-    built = args.build()
+    built = LLMEngine(args.create_engine_config())
     assert built.scheduler.drafter.num_speculative_tokens == 3 and built.scheduler.drafter.prompt_lookup_min == 1
     assert LLMEngine(path, **ENGINE_ARGS).scheduler.drafter is None  # off by default
