@@ -282,28 +282,27 @@ GROUPS = {  # key: (heading, what it holds and how it is measured)
     "decode": ("Decode at B=1", "Output tok/s of one sequence (`python -m engine bench latency`): `graphs` with CUDA "
                "graphs (the default), `eager` with `--enforce-eager`, `_fp8` FP8 weights, `_fp8kv` an FP8 KV "
                "cache, `_no_overlap` synchronous steps; peers: transformers on the same weights in the same run. "
-               "Device scripts: `scripts/gpu_overlap.sh`, `scripts/gpu_decode.sh`, `scripts/gpu_fp8.sh`, "
-               "`scripts/gpu_new_models.sh`."),
+               "Device runs: `bash scripts/gpu.sh decode`, `models`, `fp8`."),
     "prefill": ("Prefill and time to first token", "One N-token prompt from the same latency runs: "
                 "`_prefill_<N>_tok_s` is N / TTFT, `_ttft_<N>_ms` the TTFT itself (`_prefill_graphs<N>` when "
-                "`--prefill-graph-tokens` is set). Device scripts: those of B=1 decode and "
-                "`scripts/gpu_piecewise.sh`."),
+                "`--prefill-graph-tokens` is set). Device runs: `bash scripts/gpu.sh prefill` and those of B=1 "
+                "decode."),
     "throughput": ("Offline throughput", "nano-vllm's shape (`python -m engine bench throughput`: 256 sequences, "
                    "100-1,024 tokens in and out): output tok/s and NVML GPU busy, the mean over the timed run. "
-                   "Device scripts: `scripts/gpu_overlap.sh`, `scripts/gpu_decode.sh`, `scripts/gpu_fp8.sh`, "
-                   "`scripts/gpu_piecewise.sh`."),
+                   "Device runs: `bash scripts/gpu.sh throughput`, `fp8`."),
     "serve": ("Serving under load", "`python -m engine bench serve --launch` at N concurrent requests (`_cN`): output "
               "tok/s, ITL median and p99, TTFT p99; `_budget<B>` a step token budget other than the default, "
-              "`_beside<N>` a cap of N prompt tokens beside decodes. Device scripts: `scripts/gpu_piecewise.sh`, "
-              "`scripts/gpu_overlap.sh`."),
+              "`_beside<N>` a cap of N prompt tokens beside decodes. Device runs: `bash scripts/gpu.sh serve`, "
+              "`fp8`."),
     "speculative": ("Speculative decoding", "`python -m engine bench spec` (n-gram drafts, k = 4): tokens per target "
                     "forward (no device changes them, so a CPU run records them), B=1 tok/s with the plain engine's "
-                    "as peer, and a verify step's cost over a decode step. Device script: `scripts/gpu_spec.sh`."),
+                    "as peer, and a verify step's cost over a decode step. Device run: `bash scripts/gpu.sh spec`."),
     "structured": ("Structured outputs under load", "`python -m engine bench serve --structured`: constrained over "
                    "plain output tok/s under the same load (`structured`: a json_schema, `tools`: a forced tool "
-                   "call), with the grammar's costs as peers. Device script: `scripts/gpu_structured.sh`."),
+                   "call), with the grammar's costs as peers. Device run: `bash scripts/gpu.sh structured`."),
     "floors": ("Device floors", "`scripts/bench_floors.py`: a cuBLAS matmul chain over the model's weights (the B=1 "
-               "decode floor), with the copy bandwidth and prefill GEMMs as peers."),
+               "decode floor), with the copy bandwidth and prefill GEMMs as peers. Device runs: `bash scripts/gpu.sh "
+               "decode`, `models`, `kernels`."),
     "other": ("Other figures", "Figures of no group above."),
 }
 GROUP_PATTERNS = {
@@ -384,10 +383,10 @@ def render_markdown(figures: dict) -> str:
         "REPORT.json` records it here. Models named by a preset (`qwen3_8b`, `llama3_8b`, `dsv2_lite`, ...) are "
         "full-size configurations with random bf16 weights made on the GPU (`--preset NAME --random-weights`; "
         "`_fp8`: quantized at load); the `demo_` and `spec_ngram_` figures are the shipped demo model's. "
-        "The device scripts run the commands in bundles of one device call "
-        "each (`bash scripts/gpu_overlap.sh`, `gpu_decode.sh`, `gpu_fp8.sh`, `gpu_piecewise.sh`, "
-        "`gpu_new_models.sh`, `gpu_spec.sh`, `gpu_structured.sh`, `gpu_issue21.sh`; their headers list the "
-        "sections). How the figures are measured, and what they say: "
+        "On a GPU machine `bash scripts/gpu.sh SECTION ...` runs the commands, a section per topic "
+        "(`bash scripts/gpu.sh` lists them, `DRY_RUN=1` prints their commands), and records its reports "
+        "into `$OUT/benchmarks.json` (and `$OUT/BENCHMARKS.md`) to copy back. How the figures are measured, "
+        "and what they say: "
         "[docs/performance.md](docs/performance.md); kernel-level notes: "
         "[docs/performance-notes.md](docs/performance-notes.md); the dated session logs that were this file "
         "before it was generated: `git show 17e792a:BENCHMARKS.md`.",

@@ -9,7 +9,7 @@ naming its figure. The recorded hosts measured their floors but not the host ref
 new), so the host-bound half is checked as a property: whatever the host's speed factor (host
 B's measured 1.49 among them), scaling an eager step and the host reference by it leaves the
 gate's figure unchanged. That the reference does scale like an eager step is measured on the GPU
-(``scripts/gpu_issue21.sh hostcheck``).
+(``bash scripts/gpu.sh hostcheck``).
 """
 from __future__ import annotations
 
