@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.bench import add_bench_command
 from engine.distributed import close_tp_distributed
-from engine.generate import add_generate_command
-from engine.server.app import add_serve_command
+from engine.entrypoints.bench import add_bench_command
+from engine.entrypoints.generate import add_generate_command
+from engine.entrypoints.server.app import add_serve_command
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ Catalogue entry::
       failure_modes: [FM-047]      # the report of that phase must name these
       description: rms_norm drops + eps
       patches:
-        - file: engine/kernels/reference.py
+        - file: engine/model/kernels/reference.py
           find: "keepdim=True) + eps)"
           replace: "keepdim=True))"
 """

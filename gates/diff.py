@@ -1,7 +1,7 @@
 """What changed between two gate reports (``python -m gates diff OLD.json NEW.json``), and the
 comparison of benchmark figures with a baseline that the performance gate (phase 11) makes.
 
-A benchmark figure is ``{"value", "unit", "higher_is_better"}`` (``engine.bench.short``); the
+A benchmark figure is ``{"value", "unit", "higher_is_better"}`` (``engine.entrypoints.bench.short``); the
 performance gate's test records the figures it compares in the gate report
 (``record_property("figures", ...)``: normalised, each stated against a reference measured in
 the same run, so they hold from one H200 host to another) and the raw figures they came from

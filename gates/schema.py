@@ -76,7 +76,7 @@ def parse_unlock(text: str) -> tuple[str, str]:
     m = UNLOCK.match(text)
     if not m or ".." in m["path"].split("/"):
         raise ValueError(f"must be a path relative to the repository root or path::QualifiedName, like "
-                         f"engine/models/dense.py::GQAAttention (prose goes to notes:); got {text!r}")
+                         f"engine/model/models/dense.py::GQAAttention (prose goes to notes:); got {text!r}")
     return m["path"], m["qualname"] or ""
 
 

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from phases.checkpoints import tiny_hf_config
 
 if TYPE_CHECKING:
-    from engine.attention_context import AttentionContext
+    from engine.model.attention_context import AttentionContext
 
 
 def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
@@ -31,7 +31,7 @@ def prefill_context(seq_lens: Sequence[int], cached_lens: Sequence[int],
     Built on the host, then copied to `device` once per tensor (the runner builds the same
     layout vectorised on the device; the layer tests build it here, sequence by sequence).
     """
-    from engine.attention_context import AttentionContext, cache_slots
+    from engine.model.attention_context import AttentionContext, cache_slots
 
     positions, slots, kv_slots = [], [], []
     for n, cached, table in zip(seq_lens, cached_lens, block_tables, strict=True):
@@ -66,7 +66,7 @@ def decode_context(context_lens: Sequence[int], block_tables: Sequence[Sequence[
     """Positions [B] and the context for one decode token per sequence; the
     token of sequence i sits at position context_lens[i] - 1. Block tables are
     padded with block 0 to the widest (entries past a context are never read)."""
-    from engine.attention_context import AttentionContext, cache_slots
+    from engine.model.attention_context import AttentionContext, cache_slots
 
     width = max(len(t) for t in block_tables)
     tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
@@ -94,7 +94,7 @@ def run_paged(step, inputs: list[torch.Tensor], prompt_lens: list[int], block_si
     cache bound with enough blocks. Returns each sequence's outputs in position
     order.
     """
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
 
     gen = torch.Generator().manual_seed(seed)
     need = [-(-len(x) // block_size) for x in inputs]
@@ -163,7 +163,7 @@ def engine_config(arch: str = "Qwen3ForCausalLM", **overrides) -> ModelConfig:
 def load_from_hf(ours: nn.Module, hf: nn.Module, packed_modules: dict) -> None:
     """Load an HF module's parameters into ``ours`` (same structure, merged
     projections named by ``packed_modules``) through the checkpoint loader."""
-    from engine.loader import load_weights
+    from engine.model.loader import load_weights
 
     holder = nn.Module()
     holder.packed_modules = packed_modules
@@ -173,8 +173,8 @@ def load_from_hf(ours: nn.Module, hf: nn.Module, packed_modules: dict) -> None:
 
 def load_engine_model(model_dir, tp=None, device="cpu", dtype=None):
     """Our model for a checkpoint directory: config, build, load every tensor."""
-    from engine.loader import load_checkpoint
-    from engine.models.registry import build_model
+    from engine.model.loader import load_checkpoint
+    from engine.model.models.registry import build_model
 
     config = ModelConfig.from_model_dir(model_dir)
     model = build_model(config, device, dtype, tp)
@@ -205,8 +205,8 @@ def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
     growing with position) and make HF a wrong reference."""
     import transformers
 
-    from engine.loader import load_weights
-    from engine.models.registry import build_model, creating_in
+    from engine.model.loader import load_weights
+    from engine.model.models.registry import build_model, creating_in
 
     torch.manual_seed(seed)
     hf_cfg = transformers.Qwen3Config(**QWEN3_8B)
@@ -243,10 +243,10 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_step(fn, monkeypatch) -> OpCounter:
-    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call (``engine.kernels``
-    and its FP8 ops, ``engine.kernels.fp8``) marked and every host read of a tensor recorded."""
-    from engine import kernels
-    from engine.kernels import fp8
+    """Run ``fn()`` (no grad) under an OpCounter, with every public kernel call (``engine.model.kernels``
+    and its FP8 ops, ``engine.model.kernels.fp8``) marked and every host read of a tensor recorded."""
+    from engine.model import kernels
+    from engine.model.kernels import fp8
 
     counter = OpCounter()
     for module, name in [(m, n) for m in (kernels, fp8) for n in m.__all__]:
@@ -275,8 +275,8 @@ def count_step(fn, monkeypatch) -> OpCounter:
 def decode_step_ops(model, monkeypatch) -> OpCounter:
     """What one decode step of ``model`` does (``count_step``): two sequences prefilled (7 and 3
     tokens, block size 16, the KV cache bound here), then one decode token each."""
-    from engine.attention_context import forward_context
-    from engine.kv_cache import bind_kv_cache
+    from engine.model.attention_context import forward_context
+    from engine.worker.kv_cache import bind_kv_cache
 
     bind_kv_cache(model, 4, 16, torch.float32, "cpu")
     positions, ctx = prefill_context([7, 3], [0, 0], [[0], [1]], 16, "cpu")

@@ -2,13 +2,13 @@
 
     python scripts/bench_dispatch.py [--calls 2000] [--json out.json]
 
-``ours_us``: host µs per call of each op through ``engine.kernels`` (the interface's checks, the
+``ours_us``: host µs per call of each op through ``engine.model.kernels`` (the interface's checks, the
 Triton backend's wrapper: strides, blocks, grid, output allocation, the cached launcher's key)
 with Triton's launch replaced by a stub, so the time is the Python we own. Runs anywhere (CPU tensors, the Triton
 backend forced; no kernel runs).
 
 On CUDA also, per op: ``full_us``, the real call (our wrapper, then the compiled kernel's launcher
-through ``engine.kernels.triton.launcher``); ``jit_us``, Triton's launch alone
+through ``engine.model.kernels.triton.launcher``); ``jit_us``, Triton's launch alone
 (``kernel[grid](*args)`` with the arguments of the last call); ``cached_us``, the same launch
 through the compiled kernel's own launcher (``CompiledKernel.run`` with the stream and the
 packed metadata kept from a first call): what a cached launcher (no per-call specialisation)
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def decode_calls(device: str, dtype: torch.dtype) -> dict:
     """One B=1 decode call of each op on Qwen3-8B's per-rank shapes (cache of 64 blocks of 16)."""
-    import engine.kernels as K
+    import engine.model.kernels as K
 
     hidden, heads, kv, d, inter = 4096, 32, 8, 128, 12288
     rand = lambda *shape: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
@@ -73,7 +73,7 @@ def stubbed(calls: int) -> dict:
     """Our wrappers' host µs per call, Triton's launch a no-op (CPU tensors, Triton backend forced)."""
     import triton
 
-    import engine.kernels as K
+    import engine.model.kernels as K
 
     real_select, real_run = K._select, triton.runtime.jit.JITFunction.run
     K._select = lambda device_type, forced: "triton"
@@ -88,7 +88,7 @@ def launches(calls: int) -> dict:
     """On CUDA, per op: the whole call, Triton's JIT launch, and the compiled kernel's launcher."""
     import triton
 
-    from engine.kernels.triton import launcher
+    from engine.model.kernels.triton import launcher
 
     results = {}
     captured = []

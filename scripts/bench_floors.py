@@ -2,7 +2,7 @@
 
     python scripts/bench_floors.py [--preset qwen3-8b] [--copy-gib 4] [--json out.json]
 
-For a preset's dense shapes (random bf16 weights, no model code; ``engine.bench.floors``):
+For a preset's dense shapes (random bf16 weights, no model code; ``engine.entrypoints.bench.floors``):
 - ``copy_gb_s``: device copy bandwidth, read + write bytes, of ``dst.copy_(src)`` over a
   ``--copy-gib`` buffer (4 GiB: 8.6 GB moved per copy), timed eagerly;
 - ``weight_bytes``: the bytes a B=1 decode step must read (every decoder linear + lm_head);
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench import machine  # noqa: E402
-from engine.bench.floors import device_floors, host_ref_us  # noqa: E402
-from engine.bench.models import PRESETS  # noqa: E402
+from engine.entrypoints.bench import machine  # noqa: E402
+from engine.entrypoints.bench.floors import device_floors, host_ref_us  # noqa: E402
+from engine.entrypoints.bench.models import PRESETS  # noqa: E402
 
 
 def main() -> int:

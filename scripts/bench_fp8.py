@@ -42,20 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from engine import kernels  # noqa: E402
-from engine.bench.floors import dense_linear_shapes, elapsed_ms  # noqa: E402
-from engine.bench.models import PRESETS, random_checkpoint  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.kernels import fp8  # noqa: E402
-from engine.kernels.triton import fp8 as triton_fp8  # noqa: E402
-from engine.kernels.triton import fp8_mma_gemv  # noqa: E402
-from engine.kernels.triton.fp8 import (  # noqa: E402
+from engine.entrypoints.bench.floors import dense_linear_shapes, elapsed_ms  # noqa: E402
+from engine.entrypoints.bench.models import PRESETS, random_checkpoint  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.kernels import fp8  # noqa: E402
+from engine.model.kernels.triton import fp8 as triton_fp8  # noqa: E402
+from engine.model.kernels.triton import fp8_mma_gemv  # noqa: E402
+from engine.model.kernels.triton.fp8 import (  # noqa: E402
     GemmConfig,
     _batch_runs,
     _block_sizes,
     _decode_runs,
     decode_plan,
 )
-from engine.kernels.triton.gemv import MAX_ROWS  # noqa: E402
+from engine.model.kernels.triton.gemv import MAX_ROWS  # noqa: E402
 
 UNSPLIT = _block_sizes(1)  # the FP8 GEMM's launch shape before the decode split-K
 BATCH_ROWS = 256           # gemv: the most rows timed (a decode batch of the offline throughput's 256 sequences)
@@ -143,8 +143,8 @@ def bench_gemv(preset: dict, row_counts: list[int], sweep: bool) -> list[dict]:
 
 
 def build(preset: dict, quantization: str | None):
-    from engine.loader import load_weights
-    from engine.models.registry import build_model
+    from engine.model.loader import load_weights
+    from engine.model.models.registry import build_model
 
     model = build_model(ModelConfig.from_dict(preset, quantization), "cuda", torch.bfloat16)
     load_weights(model, random_checkpoint(preset, 0, torch.device("cuda"), torch.bfloat16), progress=False)
@@ -152,7 +152,7 @@ def build(preset: dict, quantization: str | None):
 
 
 def logits_of(model, sequence: torch.Tensor) -> torch.Tensor:
-    from engine.kv_cache import bind_kv_cache
+    from engine.worker.kv_cache import bind_kv_cache
     from phases.harness import all_logits_step, num_blocks_for, run_paged
 
     bind_kv_cache(model, num_blocks_for([len(sequence)], 16), 16, torch.bfloat16, "cuda")

@@ -1,4 +1,4 @@
-"""Benchmark the engine.kernels ops on CUDA against copy bandwidth and torch eager.
+"""Benchmark the engine.model.kernels ops on CUDA against copy bandwidth and torch eager.
 
     python scripts/bench_kernels.py [--json out.json] [--only elementwise rotary decode decode_fp8 gemv prefill
                                                          prefill_sweep]
@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import get_cos_sin_cache, reference  # noqa: E402
-from engine.kernels import triton as ours  # noqa: E402
+from engine.model.kernels import get_cos_sin_cache, reference  # noqa: E402
+from engine.model.kernels import triton as ours  # noqa: E402
 
 DTYPE = torch.bfloat16
 QWEN = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288)
@@ -222,7 +222,7 @@ def bench_gemv(results, copy):
     """The decode GEMV on Qwen3-8B's linears (down_proj with its SiLU-and-mul prologue) at 1, 4 and 8
     rows: every config as a graph replay, the best against cuBLAS (``F.linear``, after
     ``silu_and_mul`` for down_proj) in the same run; GB/s counts the weight bytes."""
-    from engine.kernels.triton.gemv import CANDIDATES, FMA_MAX_ROWS, launch
+    from engine.model.kernels.triton.gemv import CANDIDATES, FMA_MAX_ROWS, launch
 
     hidden, inter, heads, kv, d = (QWEN[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
     shapes = {"qkv_proj": ((heads + 2 * kv) * d, hidden, None), "o_proj": (hidden, heads * d, None),
@@ -244,7 +244,7 @@ def bench_gemv(results, copy):
 
 
 def bench_prefill(results):
-    from engine.kernels.triton.prefill_attention import flash_varlen_attention
+    from engine.model.kernels.triton.prefill_attention import flash_varlen_attention
 
     tokens = 4096
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
@@ -285,7 +285,7 @@ def sdpa_peers(q, k, v, scale) -> dict:
 def bench_prefill_sweep(results):
     """The Triton prefill kernel at every launch shape of a grid (Qwen3-8B, one causal 4,096-token
     sequence) beside torch's dense SDPA backends on the same inputs: TFLOP/s each."""
-    from engine.kernels.triton.prefill_attention import PrefillLaunch, default_launch, flash_varlen_attention
+    from engine.model.kernels.triton.prefill_attention import PrefillLaunch, default_launch, flash_varlen_attention
 
     tokens, hq, hk, d = 4096, QWEN["heads"], QWEN["kv_heads"], QWEN["head_dim"]
     q, k, v = rand(tokens, hq, d), rand(tokens, hk, d), rand(tokens, hk, d)

@@ -34,10 +34,10 @@ def timed(fn, device, repeat: int = 20) -> float:
 
 
 def main() -> None:
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import LaunchedStep
-    from engine.scheduler import ScheduledBatch
-    from engine.sequence import SamplingParams, Sequence
+    from engine.core.llm_engine import LLMEngine
+    from engine.scheduling.scheduler import ScheduledBatch
+    from engine.scheduling.sequence import SamplingParams, Sequence
+    from engine.worker.model_runner import LaunchedStep
     from phases.checkpoints import make_tiny_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

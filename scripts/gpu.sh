@@ -251,9 +251,9 @@ sec_throughput() {
 smoke() {  # the demo model served in bfloat16, asked through every API, the shortest prompts and hostile bodies
     local port=8123 server rc api="$OUT/serve_smoke_api.log"
     begin serve_smoke 240 "python3 -m engine serve --port $port --dtype bfloat16 --served-model-name demo \
---chat-template engine/bench/hermes_tools.jinja, then 11 requests and /health (curl)" || return 0
+--chat-template engine/entrypoints/bench/hermes_tools.jinja, then 11 requests and /health (curl)" || return 0
     python3 -m engine serve --port $port --dtype bfloat16 --served-model-name demo \
-        --chat-template engine/bench/hermes_tools.jinja > "$OUT/serve_smoke.log" 2>&1 &
+        --chat-template engine/entrypoints/bench/hermes_tools.jinja > "$OUT/serve_smoke.log" 2>&1 &
     server=$!
     for _ in $(seq 120); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
     ask() {  # ask NAME PATH JSON|@FILE: the answer's status and body, one line each
@@ -306,7 +306,7 @@ sec_structured() {
     # The preset has no tokenizer: the grammars are built over TOKENIZER (default the demo model's, 8,192
     # tokens; a Qwen3 tokenizer directory carried to the device gives Qwen3's vocabulary and mask costs).
     part structured 480 python3 -m engine bench serve --launch --preset qwen3-8b --random-weights \
-        --tokenizer "${TOKENIZER:-engine/default_model}" --chat-template engine/bench/hermes_tools.jinja \
+        --tokenizer "${TOKENIZER:-engine/default_model}" --chat-template engine/entrypoints/bench/hermes_tools.jinja \
         --structured json_schema,tools --max-model-len 2048 --num-prompts 128 --max-concurrency 64 --input-len 512 \
         --output-len 128 --output "$OUT/structured.json"
 }
@@ -335,7 +335,7 @@ sec_gate11() {
 }
 
 sec_baseline() {
-    part short_baseline 300 python3 -m engine.bench.short --write-baseline phases/11_performance/baseline.json \
+    part short_baseline 300 python3 -m engine.entrypoints.bench.short --write-baseline phases/11_performance/baseline.json \
         --output "$OUT/short_baseline.json"
     part perf_gate 270 "${PYTEST[@]}" phases/11_performance/test_perf_gate.py
     [ -n "$DRY" ] || cp phases/11_performance/baseline.json build/perf-short.json "$OUT/" 2> /dev/null
@@ -343,13 +343,13 @@ sec_baseline() {
 
 sec_hostcheck() {  # raw eager tok/s about halves on a shared core; the normalised figure must stay in tolerance
     local NORECORD=1 busy
-    part eager_alone 90 taskset -c 0 python3 -m engine.bench.short --sections qwen3_eager \
+    part eager_alone 90 taskset -c 0 python3 -m engine.entrypoints.bench.short --sections qwen3_eager \
         --output "$OUT/eager_alone.json"
     begin eager_loaded 130 "taskset -c 0 python3 -c 'while True: pass' & then taskset -c 0 python3 -m \
-engine.bench.short --sections qwen3_eager --output $OUT/eager_loaded.json" || return 0
+engine.entrypoints.bench.short --sections qwen3_eager --output $OUT/eager_loaded.json" || return 0
     taskset -c 0 python3 -c 'while True: pass' &
     busy=$!
-    timeout 130 taskset -c 0 python3 -m engine.bench.short --sections qwen3_eager --output "$OUT/eager_loaded.json" \
+    timeout 130 taskset -c 0 python3 -m engine.entrypoints.bench.short --sections qwen3_eager --output "$OUT/eager_loaded.json" \
         > "$OUT/eager_loaded.log" 2>&1
     end eager_loaded $?
     kill "$busy"

@@ -1,5 +1,5 @@
 """Write the code-editing workload of ``python -m engine bench spec``
-(engine/bench/spec_workload.json): functions from the held-out test split of the demo model's
+(engine/entrypoints/bench/spec_workload.json): functions from the held-out test split of the demo model's
 corpus (files whose blake2b path bucket is "test" in scripts/train_demo_model.py, so the model
 never trained on them), each with a small edit to ask for: a parameter renamed.
 

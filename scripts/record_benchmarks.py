@@ -12,7 +12,7 @@ again. ``phases/11_performance/test_record_benchmarks.py`` fails when the checke
 from the rendering of the checked-in ``benchmarks.json``.
 
 Each report is the JSON of ``python -m engine bench latency | throughput | spec``, of
-``python -m engine.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
+``python -m engine.entrypoints.bench.short`` (full scale) or of ``scripts/bench_floors.py``. Its figures are
 mapped to the project's names (``figures_of``), each stored as ``{"value", "unit", "command",
 "date", "device", "peer", "from"}``: the command that reproduces it, the report's date and
 device, the peers measured in the same run (transformers, floors), and the report field it was
@@ -69,8 +69,8 @@ def bench_command(report: dict) -> str:
     flags may be negative, ``--no-overlap``; the rest as ``--name-with-dashes``)."""
     from dataclasses import fields
 
-    from engine.bench import add_bench_command
-    from engine.engine_args import EngineArgs
+    from engine.core.engine_args import EngineArgs
+    from engine.entrypoints.bench import add_bench_command
 
     parser = argparse.ArgumentParser()
     add_bench_command(parser.add_subparsers(dest="command"))
@@ -213,7 +213,7 @@ def _plain_serve(report: dict) -> dict:
     """A plain load's output tok/s, ITL median and p99, TTFT p99, named by the preset, the
     concurrency and what is not the default: the step's token budget (``_budget{N}``), an FP8 KV
     cache, ``--enforce-eager``, ``--prefill-graph-tokens``, ``--prefill-tokens-beside-decodes``."""
-    from engine.engine_args import EngineArgs
+    from engine.core.engine_args import EngineArgs
 
     settings, serve = report["settings"], report["serve"]
     if settings.get("max_concurrency") is None:

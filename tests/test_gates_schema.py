@@ -23,9 +23,10 @@ def valid() -> dict:
 
 
 def test_valid_gate_parses_into_typed_fields():
-    g = parse_gate(valid() | {"unlocks": ["engine/kv_cache.py", "engine/kernels", "engine/m.py::A.f"],
+    g = parse_gate(valid() | {"unlocks": ["engine/worker/kv_cache.py", "engine/model/kernels", "engine/m.py::A.f"],
                               "notes": ["why"]}, WHERE, "05")
-    assert g.unlocks == ("engine/kv_cache.py", "engine/kernels", "engine/m.py::A.f") and g.notes == ("why",)
+    assert g.unlocks == ("engine/worker/kv_cache.py", "engine/model/kernels", "engine/m.py::A.f")
+    assert g.notes == ("why",)
     assert parse_unlock("engine/m.py::A.f") == ("engine/m.py", "A.f") and parse_unlock("engine") == ("engine", "")
     assert g.id == "05" and g.depends_on == ("01", "03")
     assert [r.mode for r in g.runs] == ["single", "torchrun", "single"]
@@ -78,7 +79,7 @@ BROKEN = {
     "failure mode without tests": (_set(["failure_modes", 0, "tests"], []),
                                    "failure_modes[0].tests: must not be empty"),
     "done_criteria empty": (_set(["done_criteria"], []), "done_criteria: must not be empty"),
-    "unlocks prose": (_set(["unlocks"], ["engine/model_runner.py (CUDA graphs)"]),
+    "unlocks prose": (_set(["unlocks"], ["engine/worker/model_runner.py (CUDA graphs)"]),
                       "unlocks[0]: must be a path relative to the repository root or path::QualifiedName"),
     "unlocks absolute": (_set(["unlocks"], ["engine/x.py", "/engine/x.py"]), "unlocks[1]: must be a path"),
     "unlocks up a level": (_set(["unlocks"], ["engine/../x.py"]), "unlocks[0]: must be a path"),

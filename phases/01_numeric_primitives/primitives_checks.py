@@ -56,16 +56,17 @@ def vllm_importable() -> bool:
 
 
 TARGETS = [
-    pytest.param(Target("torch-cpu", "engine.kernels.reference", "cpu", torch.float32, 1e-4, 12, 300), id="torch-cpu"),
-    pytest.param(Target("triton-interpret", "engine.kernels.triton", "cpu", torch.float32, 1e-4, 3, 24),
+    pytest.param(Target("torch-cpu", "engine.model.kernels.reference", "cpu", torch.float32, 1e-4, 12, 300),
+                 id="torch-cpu"),
+    pytest.param(Target("triton-interpret", "engine.model.kernels.triton", "cpu", torch.float32, 1e-4, 3, 24),
                  id="triton-interpret",
                  marks=pytest.mark.skipif(HAS_CUDA or not HAS_TRITON, reason="interpreter runs only without a GPU, "
                                           "with triton installed")),
-    pytest.param(Target("torch-cuda", "engine.kernels.reference", "cuda", torch.bfloat16, 1e-2, 15, 300),
+    pytest.param(Target("torch-cuda", "engine.model.kernels.reference", "cuda", torch.bfloat16, 1e-2, 15, 300),
                  id="torch-cuda", marks=pytest.mark.cuda),
-    pytest.param(Target("triton-cuda", "engine.kernels.triton", "cuda", torch.bfloat16, 1e-2, 25, 300),
+    pytest.param(Target("triton-cuda", "engine.model.kernels.triton", "cuda", torch.bfloat16, 1e-2, 25, 300),
                  id="triton-cuda", marks=pytest.mark.cuda),
-    pytest.param(Target("vllm-cuda", "engine.kernels.vllm_backend", "cuda", torch.bfloat16, 1e-2, 15, 300),
+    pytest.param(Target("vllm-cuda", "engine.model.kernels.vllm_backend", "cuda", torch.bfloat16, 1e-2, 15, 300),
                  id="vllm-cuda", marks=[pytest.mark.cuda,
                                         pytest.mark.skipif(not vllm_importable(), reason="vllm/flash_attn absent")]),
 ]

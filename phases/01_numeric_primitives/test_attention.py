@@ -83,7 +83,7 @@ def test_varlen_attention_matches_float64(target):
 @pytest.mark.cuda
 def test_cuda_triton_varlen_kernel_matches_float64():
     """The Triton varlen kernel itself in bf16 (on CUDA the op sends one causal sequence to cuDNN)."""
-    from engine.kernels.triton.prefill_attention import flash_varlen_attention
+    from engine.model.kernels.triton.prefill_attention import flash_varlen_attention
 
     run_varlen(next(p.values[0] for p in TARGETS if p.id == "triton-cuda"), flash_varlen_attention)
 
@@ -93,9 +93,9 @@ def test_varlen_kernel_launch_shapes(target, shape):
     """The Triton prefill kernel at each launch shape it may take: key tiles wholly visible to a query
     block skip the mask, the diagonal ones keep it, query blocks run from the last (the interpreter
     takes the small tiles on longer sequences than its usual draw, so every block kind is met)."""
-    if target.module != "engine.kernels.triton":
+    if target.module != "engine.model.kernels.triton":
         pytest.skip("the Triton kernel's own launch shapes")
-    from engine.kernels.triton.prefill_attention import PrefillLaunch, flash_varlen_attention
+    from engine.model.kernels.triton.prefill_attention import PrefillLaunch, flash_varlen_attention
 
     block_m, block_n = shape
     if target.device == "cpu" and block_m > 32:
@@ -113,7 +113,7 @@ def test_the_cudnn_route_takes_only_the_shapes_cudnn_serves():
     """cuDNN's dense attention gets one causal sequence of at least two rows without a cached
     prefix, in half precision with equal head dims up to 128 (multiples of 8); everything else,
     a one-token prompt first (cuDNN has no kernel for one key row), stays on the Triton kernel."""
-    from engine.kernels.triton.prefill_attention import _cudnn_shape
+    from engine.model.kernels.triton.prefill_attention import _cudnn_shape
 
     bf16 = torch.bfloat16
     for rows in (2, 3, 128, 4096):
@@ -135,7 +135,7 @@ def test_one_causal_sequence_through_cudnn(tokens, padded, kv_heads, head_dim):
     """One causal prompt without a cached prefix goes to cuDNN's dense attention: its rows match float64
     attention, also when the step's rows carry padding after the sequence (which it must not see); a
     one-token prompt (no cuDNN kernel for one key row) runs on the Triton kernel and matches too."""
-    from engine.kernels.triton import prefill_attention
+    from engine.model.kernels.triton import prefill_attention
 
     target = next(p.values[0] for p in TARGETS if p.id == "triton-cuda")
     assert prefill_attention._cudnn_attention_runs(torch.device("cuda")), "cuDNN attention does not run here"
@@ -274,7 +274,7 @@ def test_triton_decode_attention_refuses_what_it_cannot_launch():
     value past ±65,504 would become inf) and column chunks where the head is not one power-of-two
     block for keys and values (MLA's 512 + 64) are ValueErrors naming the limit."""
     pytest.importorskip("triton")
-    from engine.kernels.triton.decode_attention import paged_decode_attention
+    from engine.model.kernels.triton.decode_attention import paged_decode_attention
 
     cache = torch.zeros(1, 16, 1, 16)
     many = 65536

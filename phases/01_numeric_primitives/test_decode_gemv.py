@@ -54,7 +54,7 @@ def test_decode_gemv_split_k_merges_every_split(target, split_k):
     and 8 splits some splits are empty; two calls in a row (the arrival counters reset)."""
     if "triton" not in target.module:
         pytest.skip("the split count is a Triton-backend knob")
-    from engine.kernels.triton.gemv import GemvConfig
+    from engine.model.kernels.triton.gemv import GemvConfig
 
     for seed in (split_k, split_k + 100):
         run_gemv(target, 5, 40, 300, True, split_k % 2 == 0, seed, config=GemvConfig(16, 128, split_k, 4))
@@ -67,7 +67,7 @@ def test_decode_gemv_rows_only_tile_matches_float64(target, rows, split_k):
     bias, against float64; more rows than it takes is an error naming the limit."""
     if "triton" not in target.module:
         pytest.skip("the tile is a Triton-backend knob")
-    from engine.kernels.triton.gemv import FMA_MAX_ROWS, GemvConfig
+    from engine.model.kernels.triton.gemv import FMA_MAX_ROWS, GemvConfig
 
     config = GemvConfig(16, 128, split_k, 4, fma=True)
     run_gemv(target, rows, 40, 300, rows % 2 == 1, split_k > 1, rows * 7 + split_k, config=config)

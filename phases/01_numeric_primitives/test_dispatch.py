@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-import engine.kernels as K
+import engine.model.kernels as K
 from phases.harness import HostOpRecorder
 from primitives_checks import HAS_CUDA, HAS_TRITON, vllm_importable
 
@@ -149,7 +149,7 @@ def test_wrappers_do_no_host_sync_copy_or_per_token_work(device, monkeypatch):
 host ops, chosen by shape), never sync.
     decode_gemv's launch shape is measured per row count on CUDA (a choice, not per-token work):
     pinned here to a split-K one, which also allocates the partial sums."""
-    from engine.kernels.triton import gemv
+    from engine.model.kernels.triton import gemv
 
     split_k = next(config for config in gemv.CANDIDATES if config.split_k > 1)
     monkeypatch.setattr(gemv, "plan", lambda *args: split_k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import get_cos_sin_cache
+from engine.model.kernels import get_cos_sin_cache
 from primitives_checks import assert_close, rand
 from test_attention import decode_truth, paged_case
 

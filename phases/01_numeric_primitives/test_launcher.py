@@ -1,4 +1,4 @@
-"""The cached Triton launcher (``engine.kernels.triton.launcher``) against Triton's own specialisation.
+"""The cached Triton launcher (``engine.model.kernels.triton.launcher``) against Triton's own specialisation.
 
 A cached launch reuses the kernel compiled for an earlier call whose ``arg_signature``s were equal,
 so equal signatures must mean equal specialisations: checked against Triton's
@@ -37,7 +37,7 @@ def triton_specialisation(value):
 @settings(max_examples=300, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(ARGS, min_size=2, max_size=12))
 def test_equal_signatures_mean_equal_specialisations(values):
-    from engine.kernels.triton.launcher import arg_signature
+    from engine.model.kernels.triton.launcher import arg_signature
 
     for a in values:
         for b in values:
@@ -50,7 +50,7 @@ def test_a_runtime_argument_by_keyword_is_refused():
     import triton
     import triton.language as tl
 
-    from engine.kernels.triton.launcher import launch_kernel
+    from engine.model.kernels.triton.launcher import launch_kernel
 
     @triton.jit
     def add(x_ptr, n, BLOCK: tl.constexpr):
@@ -74,9 +74,9 @@ def test_cached_launches_run_the_kernel_their_signature_compiled():
     is compiled and launched apart, and correct."""
     from triton.runtime.jit import JITFunction
 
-    import engine.kernels.triton as ours
-    from engine.kernels import reference
-    from engine.kernels.triton import launcher
+    import engine.model.kernels.triton as ours
+    from engine.model.kernels import reference
+    from engine.model.kernels.triton import launcher
 
     calls = []
     real_run = JITFunction.run

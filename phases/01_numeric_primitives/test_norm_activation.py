@@ -102,7 +102,7 @@ def test_triton_rms_norm_refuses_a_non_unit_last_stride():
     """FM-002's fix: a view the Triton kernel cannot read (last stride != 1) is a ValueError,
     never a hidden copy. Checked on the kernel wrapper itself, so it runs without a GPU."""
     pytest.importorskip("triton")
-    from engine.kernels.triton import norm
+    from engine.model.kernels.triton import norm
 
     x = torch.randn(4, 64)[:, ::2]
     with pytest.raises(ValueError, match="contiguous last dim"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from engine.kernels import get_cos_sin_cache
+from engine.model.kernels import get_cos_sin_cache
 from primitives_checks import assert_close, rand, run_cases
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from engine.kernels import get_cos_sin_cache
+from engine.model.kernels import get_cos_sin_cache
 from primitives_checks import assert_close, rand, run_cases
 
 BASE = 10000.0

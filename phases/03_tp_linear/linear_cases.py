@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
-from engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.model.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 IN, OUT = 16, 24             # Column / Row sizes (OUT divides by 1, 2, 3, 4)
 GATE_UP = [24, 24]           # Merged sizes

@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import TPGroup
-from engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.model.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from linear_cases import ALL_REDUCE, GEMMS, HEAD_DIM, IN, KINDS, OUT, full_shards, make_layer, op_counts, rand
 
 RANKS = [(r, n) for n in (1, 2, 4) for r in range(n)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from linear_cases import ALL_REDUCE, IN, KINDS, OUT, full_shards, make_layer, op_counts, rand
 
 pytestmark = pytest.mark.torchrun

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import TPGroup
-from engine.layers.embedding import VocabParallelEmbedding
+from engine.model.layers.embedding import VocabParallelEmbedding
 
 DIM = 8
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from embedding_cases import DIM, boundary_ids, make_vocab_layer, padded_shard, seeded
 from engine.distributed import TPGroup
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 SPLITS = [(1000, 1), (1000, 3), (1000, 4), (997, 2), (5, 4)]
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from embedding_cases import DIM, boundary_ids, make_vocab_layer, seeded
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.torchrun
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
-from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
-from engine.models.dense import GQAAttention
+from engine.model.models.dense import GQAAttention
+from engine.worker.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from phases.harness import engine_config
 
 

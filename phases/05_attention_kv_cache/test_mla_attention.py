@@ -7,10 +7,10 @@ import torch
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
-from engine.config import DeepseekConfig
 from engine.distributed import TPGroup
-from engine.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token
-from engine.layers.mla import MultiHeadLatentAttention
+from engine.model.config import DeepseekConfig
+from engine.model.layers.mla import MultiHeadLatentAttention
+from engine.worker.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token
 from phases.checkpoints import V2_LITE, randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, rel_err, run_paged
 
@@ -80,7 +80,7 @@ def test_mla_prefix_cached_prefill_reads_latents_from_cache():
 def test_mla_caches_one_latent_entry_per_token(dtype):
     """The cache holds kv_lora_rank + rope channels per token once (no V cache, not per
     head), and what it holds is HF's normalised latent and rotated shared key."""
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import prefill_context
 
     cfg, hf_attn, rotary = hf_mla("V2", seed=3)
@@ -129,7 +129,7 @@ def test_mla_heads_split_over_tp_ranks(size):
 
 
 def test_mla_decode_step_has_no_host_sync(monkeypatch):
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
     cfg, hf_attn, _ = hf_mla("V2", seed=5)

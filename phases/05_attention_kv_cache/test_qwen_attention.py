@@ -7,8 +7,8 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from engine.distributed import TPGroup
-from engine.kv_cache import bind_kv_cache
-from engine.models.dense import DenseForCausalLM, GQAAttention
+from engine.model.models.dense import DenseForCausalLM, GQAAttention
+from engine.worker.kv_cache import bind_kv_cache
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
@@ -86,7 +86,7 @@ def test_heads_per_rank_and_kv_replication(rank, size):
 
 
 def test_decode_step_of_the_attention_layer_has_no_host_sync(monkeypatch):
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
     cfg, hf_attn, _ = hf_attention("Qwen3ForCausalLM", seed=3)
@@ -106,8 +106,8 @@ def test_rank_caches_its_own_kv_head(rank, size):
     [T, local KV heads, D] and hold exactly HF's KV head r * total_kv // tp."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-    from engine.attention_context import forward_context
     from engine.distributed import TPGroup
+    from engine.model.attention_context import forward_context
     from phases.harness import prefill_context
 
     arch = "Qwen3ForCausalLM"
@@ -135,7 +135,7 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
     """The scheduler may give a later sequence prefix blocks an earlier sequence of
     the same prefill batch is computing: the layer stores the whole batch's K/V
     before attending, so both match HF."""
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import prefill_context
 
     arch = "Qwen3ForCausalLM"

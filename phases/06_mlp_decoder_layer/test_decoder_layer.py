@@ -6,12 +6,12 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from engine import kernels
 from engine.distributed import TPGroup
-from engine.kv_cache import bind_kv_cache
-from engine.layers.mlp import SwiGLUMLP
-from engine.layers.norm import RMSNorm
-from engine.models.dense import DenseDecoderLayer, DenseForCausalLM
+from engine.model import kernels
+from engine.model.layers.mlp import SwiGLUMLP
+from engine.model.layers.norm import RMSNorm
+from engine.model.models.dense import DenseDecoderLayer, DenseForCausalLM
+from engine.worker.kv_cache import bind_kv_cache
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
 from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, num_blocks_for, run_paged
@@ -119,7 +119,7 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
         return real_prologue(*args)
     monkeypatch.setattr(kernels, "qk_norm_rope_store", prologue_spy)
     bind_kv_cache(model, 2, 16, torch.float32, "cpu")
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import prefill_context
     positions, ctx = prefill_context([5], [0], [[0]], 16, "cpu")
     with forward_context(ctx), torch.no_grad():
@@ -135,7 +135,7 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
 
 
 def test_decode_step_of_a_decoder_layer_has_no_clone_and_no_host_sync(monkeypatch):
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
 
     layer = DenseDecoderLayer(engine_config("Qwen3ForCausalLM"), TPGroup())

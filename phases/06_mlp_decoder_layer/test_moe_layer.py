@@ -12,12 +12,12 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from engine.config import DeepseekConfig, QwenMoeConfig
 from engine.distributed import TPGroup
-from engine.layers import moe as moe_module
-from engine.layers.moe import EXPERT_PARAMS, GatedSharedExpertMoE, MoE
-from engine.loader import load_weights
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.model.config import DeepseekConfig, QwenMoeConfig
+from engine.model.layers import moe as moe_module
+from engine.model.layers.moe import EXPERT_PARAMS, GatedSharedExpertMoE, MoE
+from engine.model.loader import load_weights
+from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from phases.checkpoints import V2_LITE, randomize_weights
 from phases.harness import engine_config, hf_config, rel_err
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig, QwenMoeConfig
-from engine.layers.moe import GatedSharedExpertMoE, MoE
-from engine.models.registry import build_model
+from engine.model.config import ModelConfig, QwenMoeConfig
+from engine.model.layers.moe import GatedSharedExpertMoE, MoE
+from engine.model.models.registry import build_model
 
 # The published Qwen3-8B config.json (external data, not produced by our code).
 QWEN3_8B = {
@@ -112,8 +112,8 @@ def test_tiny_config_values_reach_the_config_and_every_norm(tiny_checkpoint, arc
     compared directly: in ModelConfig, in every RMSNorm of the built model and in the rotary table."""
     from pathlib import Path
 
-    from engine import kernels
-    from engine.layers.norm import RMSNorm
+    from engine.model import kernels
+    from engine.model.layers.norm import RMSNorm
 
     model_dir = tiny_checkpoint(arch)
     raw = json.loads((Path(model_dir) / "config.json").read_text())

@@ -14,14 +14,14 @@ import transformers
 from torch import nn
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 
-from engine import kernels
-from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
-from engine.kv_cache import bind_kv_cache
-from engine.layers.mla import MultiHeadLatentAttention
-from engine.loader import load_weights
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.registry import creating_in
+from engine.model import kernels
+from engine.model.config import DeepseekConfig, ModelConfig
+from engine.model.layers.mla import MultiHeadLatentAttention
+from engine.model.loader import load_weights
+from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.model.models.registry import creating_in
+from engine.worker.kv_cache import bind_kv_cache
 from phases.harness import all_logits_step, causal_mask, num_blocks_for, rel_err, run_paged
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from engine import kernels
-from engine.kv_cache import bind_kv_cache
+from engine.model import kernels
+from engine.worker.kv_cache import bind_kv_cache
 from phases.harness import all_logits_step, num_blocks_for, random_qwen3_8b_pair, rel_err, run_paged
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]

@@ -8,13 +8,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine import loader
-from engine.config import DeepseekConfig, ModelConfig
 from engine.distributed import TPGroup
-from engine.kv_cache import bind_kv_cache, kv_bytes_per_token
-from engine.loader import load_checkpoint
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.registry import creating_in
+from engine.model import loader
+from engine.model.config import DeepseekConfig, ModelConfig
+from engine.model.loader import load_checkpoint
+from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.model.models.registry import creating_in
+from engine.worker.kv_cache import bind_kv_cache, kv_bytes_per_token
 from phases.checkpoints import V2_LITE
 from phases.harness import (
     all_logits_step,
@@ -62,7 +62,7 @@ def test_deepseek_logits_match_hf_through_prefill_and_decode(tiny_checkpoint, va
 
 
 def test_deepseek_layers_are_dense_then_moe_and_cache_one_latent(tiny_checkpoint):
-    from engine.layers.moe import MoE
+    from engine.model.layers.moe import MoE
 
     model = load_deepseek(make_checkpoint(tiny_checkpoint, "V2", seed=2))
     ds = model.deepseek

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from engine.distributed import all_reduce_sum, get_ep_group
-from engine.kv_cache import bind_kv_cache
+from engine.worker.kv_cache import bind_kv_cache
 from phases.checkpoints import V2_LITE
 from phases.harness import all_logits_step, num_blocks_for, rel_err, run_paged
 from test_deepseek_model import load_deepseek

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.attention_context import forward_context
-from engine.kv_cache import bind_kv_cache
+from engine.model.attention_context import forward_context
+from engine.worker.kv_cache import bind_kv_cache
 from phases.harness import (
     OpCounter,
     assert_no_host_sync_and_no_copies,

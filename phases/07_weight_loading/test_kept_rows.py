@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from engine.kv_cache import bind_kv_cache
+from engine.worker.kv_cache import bind_kv_cache
 from phases.harness import load_engine_model, num_blocks_for, rel_err, run_paged
 
 PROMPT_LENS = [6, 17, 1, 33]

@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import loader
-from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.loader import load_checkpoint
-from engine.models.registry import build_model
+from engine.model import loader
+from engine.model.config import ModelConfig
+from engine.model.loader import load_checkpoint
+from engine.model.models.registry import build_model
 from phases.harness import load_engine_model
 
 
@@ -86,7 +86,7 @@ def test_q_norm_and_k_norm_are_really_loaded(tiny_checkpoint):
     """Perturbing only q_norm/k_norm in the checkpoint must change the logits
     (the seed's silent garbage-output bug when they are not mapped)."""
     model_dir = tiny_checkpoint("Qwen3ForCausalLM", seed=9)
-    from engine.kv_cache import bind_kv_cache
+    from engine.worker.kv_cache import bind_kv_cache
     from phases.harness import all_logits_step, run_paged
 
     def logits():

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from engine.kv_cache import bind_kv_cache
-from engine.layers.moe import MoE
+from engine.model.layers.moe import MoE
+from engine.worker.kv_cache import bind_kv_cache
 from phases.assertions import assert_steps_close
 from phases.harness import all_logits_step, load_engine_model, num_blocks_for, run_paged
 

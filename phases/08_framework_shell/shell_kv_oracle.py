@@ -7,7 +7,7 @@ holds any other prefix means a block was shared, reused or overwritten wrongly.
 """
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from engine.scheduling.sequence import Sequence
 
 
 class KVOracle:

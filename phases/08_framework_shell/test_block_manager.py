@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager, chain_hash
-from engine.sequence import Sequence
+from engine.scheduling.block_manager import BlockManager, chain_hash
+from engine.scheduling.sequence import Sequence
 from shell_kv_oracle import KVOracle
 
 TOKENS = st.integers(0, 3)  # a tiny vocabulary makes equal blocks (and prefix hits) common

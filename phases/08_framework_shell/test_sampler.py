@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.distributed import TPGroup
-from engine.layers.sampler import Sampler, _mul32, _uniform_noise
+from engine.model.layers.sampler import Sampler, _mul32, _uniform_noise
 
 F64 = torch.float64
 

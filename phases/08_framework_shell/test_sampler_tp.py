@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.layers.sampler import Sampler
+from engine.model.layers.sampler import Sampler
 
 ROWS, VOCAB, TOP_K = 32, 64, 8
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
-from engine.sequence import SamplingParams, Sequence
-from engine.sequence import SequenceStatus as S
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
+from engine.scheduling.sequence import SamplingParams, Sequence
+from engine.scheduling.sequence import SequenceStatus as S
 from shell_kv_oracle import KVOracle
 
 EOS = 0

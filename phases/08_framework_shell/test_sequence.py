@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.scheduling.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 @pytest.mark.parametrize("field, value", [
@@ -58,6 +58,6 @@ def test_bad_prompts_raise(prompt):
 def test_shell_is_pure_python():
     """Sequence, BlockManager and Scheduler never build tensors, so they cannot hand a
     host tensor to a device forward: the runner creates every step tensor on its device."""
-    code = ("import sys, engine.sequence, engine.block_manager, engine.scheduler; "
+    code = ("import sys, engine.scheduling.sequence, engine.scheduling.block_manager, engine.scheduling.scheduler; "
             "assert 'torch' not in sys.modules, 'the shell imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -61,8 +61,8 @@ def shrink_kv_pool(engine, num_blocks: int) -> None:
     """Let an idle ``engine`` schedule only the first ``num_blocks`` blocks of its KV pool (on
     CPU the pool holds max_num_seqs x max_model_len tokens, so nothing would ever be preempted):
     a new BlockManager, and a Scheduler with the same settings over it."""
-    from engine.block_manager import BlockManager
-    from engine.scheduler import Scheduler
+    from engine.scheduling.block_manager import BlockManager
+    from engine.scheduling.scheduler import Scheduler
 
     old = engine.scheduler
     assert not old.has_unfinished() and num_blocks <= engine.runner.num_blocks

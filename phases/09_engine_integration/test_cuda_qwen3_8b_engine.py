@@ -21,9 +21,9 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
 def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path):
     import transformers
 
-    from engine.llm_engine import LLMEngine
-    from engine.models.registry import creating_in
-    from engine.sequence import SamplingParams
+    from engine.core.llm_engine import LLMEngine
+    from engine.scheduling.sequence import SamplingParams
+    from engine.model.models.registry import creating_in
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**QWEN3_8B)
@@ -72,7 +72,7 @@ def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path)
     rid = engine.add_request(prompts[0], params)
     engine.step()  # prefill
     engine.step()  # a decode step: its inputs stay in the runner's static buffers
-    from engine.attention_context import forward_context
+    from engine.model.attention_context import forward_context
     with torch.inference_mode():
         input_ids, positions, ctx = runner.decode_context(1, runner.max_blocks_per_seq)
         with forward_context(ctx):

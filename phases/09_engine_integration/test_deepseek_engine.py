@@ -3,9 +3,9 @@ equal transformers' generate (float32, CPU) with queued requests and prefix hits
 latent paged cache."""
 import pytest
 
-from engine.layers.mla import MultiHeadLatentAttention
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.model.layers.mla import MultiHeadLatentAttention
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import V2_LITE, make_tiny_checkpoint
 

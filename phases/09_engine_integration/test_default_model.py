@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy
 
 CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):", "for i in range(",
@@ -66,8 +66,8 @@ def test_held_out_loss_matches_transformers(engine):
 
 def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, through the runner's own prefill path."""
-    from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
+    from engine.scheduling.scheduler import ScheduledBatch
+    from engine.scheduling.sequence import Sequence
 
     runner, seq = engine.runner, Sequence(ids, SamplingParams(max_tokens=1), request_id="held-out")
     engine.block_manager.allocate(seq)

@@ -4,9 +4,9 @@ rank generates HF's greedy tokens; rank 0 samples."""
 import pytest
 import torch.distributed as dist
 
-from engine.layers.sampler import Sampler
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.model.layers.sampler import Sampler
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 
 MAX_NEW = 10

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import VOCAB, assert_no_block_leaks, hf_greedy
 from phases.checkpoints import make_tiny_checkpoint
 

@@ -5,9 +5,9 @@ and a prompt longer than a step's token budget (chunked prefill) that runs past 
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.models.registry import MODEL_CLASSES
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.model.models.registry import MODEL_CLASSES
 from engine_cases import VOCAB, assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
 from phases.harness import assert_no_host_sync_and_no_copies

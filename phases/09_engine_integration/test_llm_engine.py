@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.llm_engine import LLMEngine
-from engine.models.dense import DenseForCausalLM
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.model.models.dense import DenseForCausalLM
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
 
@@ -377,8 +377,8 @@ def test_the_kernel_switches_are_read_once_into_the_config_and_set_by_the_engine
     """The kernels' environment variables are read when the config is resolved (an unknown value a
     ValueError naming its variable, before any weight is read); the engine configures the process
     with its config's settings, whatever the environment says afterwards."""
-    from engine import kernels
-    from engine.engine_args import EngineArgs
+    from engine.core.engine_args import EngineArgs
+    from engine.model import kernels
 
     path = checkpoints["Qwen3ForCausalLM"]
     with kernels.using():  # the process's settings now, restored after

@@ -3,9 +3,9 @@ flight and its tokens are fed on the device), mixed steps, the eager decode gate
 import pytest
 import torch
 
-from engine.attention_context import forward_context
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.model.attention_context import forward_context
 from phases.checkpoints import make_tiny_checkpoint
 from phases.harness import assert_no_host_sync_and_no_copies, count_step
 

@@ -1,5 +1,5 @@
 """``--model ORG/NAME``: a Hugging Face Hub id resolves through huggingface_hub's cache
-(``engine.model_source``). The cache is written here as huggingface_hub lays it out
+(``engine.core.model_source``). The cache is written here as huggingface_hub lays it out
 (``models--ORG--NAME/{blobs, refs/<branch>, snapshots/<commit>/...}``, the snapshot files relative
 symlinks into the blobs), under a temporary HF_HOME with HF_HUB_OFFLINE=1 and every socket
 connect refused: nothing here touches the network."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.model_source import METADATA_FILES, resolve_model
-from engine.sequence import SamplingParams
+from engine.core.engine_args import EngineArgs
+from engine.core.llm_engine import LLMEngine
+from engine.core.model_source import METADATA_FILES, resolve_model
+from engine.scheduling.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

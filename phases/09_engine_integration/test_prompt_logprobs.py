@@ -3,8 +3,8 @@ log-softmax of transformers' logits over the same prompt, on a tiny random check
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix, shrink_kv_pool
 from phases.checkpoints import make_tiny_checkpoint
 

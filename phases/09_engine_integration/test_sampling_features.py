@@ -3,8 +3,8 @@ its definition computed here in float64 on transformers' logits of the same chec
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix, shrink_kv_pool
 from phases.checkpoints import make_tiny_checkpoint
 

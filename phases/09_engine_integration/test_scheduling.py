@@ -5,10 +5,10 @@ import argparse
 import pytest
 import torch
 
-from engine.engine_args import EngineArgs
-from engine.engine_config import DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, _prefill_tokens_beside_decodes
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_config import DEFAULT_PREFILL_TOKENS_BESIDE_DECODES, _prefill_tokens_beside_decodes
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix, shrink_kv_pool
 from phases.checkpoints import make_tiny_checkpoint
 

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks
 from phases.checkpoints import make_tiny_checkpoint
 

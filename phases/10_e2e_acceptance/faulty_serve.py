@@ -5,7 +5,7 @@ import os
 import sys
 
 from engine.__main__ import main
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 
 if __name__ == "__main__":
     rank, nth, persists = int(sys.argv[1]), int(sys.argv[2].rstrip("+")), sys.argv[2].endswith("+")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from engine.__main__ import main
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 if __name__ == "__main__":
     hold, real_step = Path(sys.argv[1]), LLMEngine.step

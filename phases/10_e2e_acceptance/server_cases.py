@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.server.app import OpenAIServer
-from engine.server.engine_loop import EngineLoop, mirror_rank0
-from engine.server.metrics import ServerMetrics
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.entrypoints.server.app import OpenAIServer
+from engine.entrypoints.server.engine_loop import EngineLoop, mirror_rank0
+from engine.entrypoints.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 
 engine_cases = importlib.import_module("phases.09_engine_integration.engine_cases")

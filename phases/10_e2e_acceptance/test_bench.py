@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.__main__ import main
-from engine.engine_args import EngineArgs
+from engine.core.engine_args import EngineArgs
 
 
 def bench(capsys, *argv) -> dict:
@@ -46,7 +46,7 @@ def check_common(report: dict, mode: str, device: str = "cpu") -> None:
 def test_gpu_monitor_window_keeps_the_samples_inside_it():
     """``report(window)`` states utilisation over the timed part only: samples before and after
     (model load, warm-up) are left out; a window with no sample says so."""
-    from engine.bench.monitor import GpuMonitor
+    from engine.entrypoints.bench.monitor import GpuMonitor
 
     monitor = GpuMonitor()
     monitor.names, monitor.total = ["gpu"], [80 * 2**30]
@@ -100,8 +100,8 @@ def test_random_weights_are_hf_weights(preset):
     loaded, DeepSeek's per-expert tensors included: the loader refuses a missing one)."""
     import argparse
 
-    from engine.bench.models import hf_model, open_engine
-    from engine.sequence import SamplingParams
+    from engine.scheduling.sequence import SamplingParams
+    from engine.entrypoints.bench.models import hf_model, open_engine
 
     args = argparse.Namespace(**vars(EngineArgs(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=128,
                                                 device="cpu")), preset=preset, seed=5)
@@ -117,7 +117,7 @@ def test_random_weights_are_hf_weights(preset):
 
 @pytest.mark.parametrize("source", ["checkpoint", "preset"])
 def test_throughput(capsys, tiny_checkpoint, source):
-    from engine.bench.offline import throughput_workload
+    from engine.entrypoints.bench.offline import throughput_workload
 
     model = (["--model", tiny_checkpoint()] if source == "checkpoint"
              else ["--preset", "tiny-qwen3", "--random-weights"])
@@ -164,7 +164,7 @@ def test_overlap_bench_reports_both_modes_on_a_simulated_device(capsys):
 def test_trace_check_flags_compiled_and_graph_events(tmp_path):
     """The eager check counts each kind of non-eager event in a chrome trace (ours are named
     ``_..._kernel``; Inductor's ``triton_poi_fused_...``)."""
-    from engine.bench.trace import eager_trace_check
+    from engine.entrypoints.bench.trace import eager_trace_check
 
     eager_events = [{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 0, "dur": 5},
                     {"name": "_rms_norm_kernel", "cat": "kernel", "ph": "X", "ts": 1, "dur": 2},
@@ -206,7 +206,7 @@ def profiled_trace(fn, path: Path, device: str) -> Path:
 def test_trace_check_flags_a_real_compiled_trace(tmp_path):
     """A real profiler trace of a torch.compile'd function (TorchDynamo, eager backend: no C++
     build on CPU) fails the check."""
-    from engine.bench.trace import eager_trace_check
+    from engine.entrypoints.bench.trace import eager_trace_check
 
     compiled = torch.compile(lambda x: (x * 2).sin() + 1, backend="eager")
     x = torch.randn(64)
@@ -218,7 +218,7 @@ def test_trace_check_flags_a_real_compiled_trace(tmp_path):
 def test_trace_check_flags_inductor_kernels_and_cuda_graphs(tmp_path):
     """On the GPU: Inductor's kernels (default mode) and CUDA graph launches (reduce-overhead)
     in real traces are counted."""
-    from engine.bench.trace import eager_trace_check
+    from engine.entrypoints.bench.trace import eager_trace_check
 
     x = torch.randn(4096, device="cuda")
     inductor = torch.compile(lambda x: (x * 2).sin() + 1)
@@ -234,7 +234,7 @@ def test_compile_failure_is_reported_not_raised(tiny_checkpoint, monkeypatch):
     the eager figures; the model's generation config is left as it was."""
     import transformers
 
-    from engine.bench.hf_compare import compare_decode
+    from engine.entrypoints.bench.hf_compare import compare_decode
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint())).eval()
     real_generate = hf.generate
@@ -356,7 +356,7 @@ def test_serve_metrics_follow_vllm_conventions(monkeypatch):
     """On a fake clock that moves only as chunks arrive: TTFT is the time to the first chunk, ITL
     the gaps between the later ones, TPOT (E2E - TTFT) / (n - 1), E2E the time to the end of the
     stream (usage and [DONE] included), exactly; throughputs are counts over the duration."""
-    from engine.bench import serve as bench_serve
+    from engine.entrypoints.bench import serve as bench_serve
 
     clock, gap, tail = [1000.0], 0.03, 0.005
     monkeypatch.setattr(bench_serve, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -412,7 +412,7 @@ def test_serve_launching_the_engine_server(capsys, tiny_checkpoint, source):
     """bench serve --launch against ``python -m engine serve`` (a tiny checkpoint, or the tiny
     preset with random weights): every request completes with exactly the tokens asked
     (ignore_eos), counted from the usage chunks."""
-    from engine.bench.serve import serve_workload
+    from engine.entrypoints.bench.serve import serve_workload
 
     model = ["--model", tiny_checkpoint()] if source == "checkpoint" else ["--preset", "tiny-qwen3",
                                                                           "--random-weights"]

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from engine.__main__ import main as engine_main
-from engine.engine_args import EngineArgs
-from engine.server.app import add_serve_command
+from engine.core.engine_args import EngineArgs
+from engine.entrypoints.server.app import add_serve_command
 from server_cases import (
     PROMPTS,
     REPO,

@@ -3,9 +3,9 @@ against transformers in bf16 on the same file; and the eager path really is eage
 import pytest
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 
 CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):", "for i in range("]
 

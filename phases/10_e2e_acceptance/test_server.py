@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from engine.llm_engine import LLMEngine, load_tokenizer
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine, load_tokenizer
+from engine.scheduling.sequence import SamplingParams
 from server_cases import (
     HANG_GUARD_S,
     PROMPTS,
@@ -434,7 +434,7 @@ def test_a_failed_step_is_fatal_under_tensor_parallelism():
     stopping every rank is safe (a peer may be spinning in a captured all-reduce)."""
     from types import SimpleNamespace
 
-    from engine.server.engine_loop import run_step
+    from engine.entrypoints.server.engine_loop import run_step
 
     def failing_step():
         raise RuntimeError("boom")

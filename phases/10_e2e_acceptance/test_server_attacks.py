@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.server.request_body import MAX_JSON_DEPTH, RequestLimits
+from engine.core.llm_engine import LLMEngine
+from engine.entrypoints.server.request_body import MAX_JSON_DEPTH, RequestLimits
 from server_cases import Witness, assert_error_object, http, make_text_checkpoint, metrics, running_server, wait_idle
 
 MAX_MODEL_LEN = 32768

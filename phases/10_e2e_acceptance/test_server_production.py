@@ -10,9 +10,9 @@ import socket
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
-from engine.server.metrics import ServerMetrics
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.entrypoints.server.metrics import ServerMetrics
 from server_cases import PROMPTS, assert_error_object, http, make_word_checkpoint, metrics, running_server, wait_idle
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -182,7 +182,7 @@ def test_metrics_and_logs(served, client, caplog):
     and generation tokens and the TTFT / ITL / E2E histograms; a finished request logs one line
     with its token counts and finish reason, and a busy loop logs stats lines."""
     before = metrics(served.url)
-    with caplog.at_level(logging.INFO, logger="engine.server"):
+    with caplog.at_level(logging.INFO, logger="engine.entrypoints.server"):
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=7, **GREEDY)
         wait_idle(served.engine_loop)
     after = metrics(served.url)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from engine.llm_engine import LLMEngine
-from engine.server.app import add_serve_command, serve
+from engine.core.llm_engine import LLMEngine
+from engine.entrypoints.server.app import add_serve_command, serve
 from server_cases import (
     HANG_GUARD_S,
     PROMPTS,

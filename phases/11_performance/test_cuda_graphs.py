@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import graph_batch_sizes
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.worker.model_runner import graph_batch_sizes
 from phases.checkpoints import make_tiny_checkpoint
 
 STEPS = 64

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine.distributed import all_reduce_path
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.cuda]
 

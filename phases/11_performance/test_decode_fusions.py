@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
-from engine.kv_cache import bind_kv_cache
-from engine.layers.moe import MoE
+from engine.model import kernels
+from engine.model.layers.moe import MoE
+from engine.worker.kv_cache import bind_kv_cache
 from phases.checkpoints import V2_LITE, make_tiny_checkpoint
 from phases.harness import all_logits_step, load_engine_model, rel_err, run_paged
 

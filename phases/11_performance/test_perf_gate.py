@@ -1,13 +1,13 @@
-"""The performance gate: the short benchmark (``engine.bench.short``, a few minutes on the H200)
+"""The performance gate: the short benchmark (``engine.entrypoints.bench.short``, a few minutes on the H200)
 compared with the committed H200 baseline, ``baseline.json`` next to this file. Speed is
 asserted here only, as a benchmark against a recorded baseline, never in unit tests.
 
 The compared figures are normalised by references measured in the same run (device floors, a
-host reference; ``engine.bench.short.NORMALISED``), so an unchanged tree passes on any H200 host;
+host reference; ``engine.entrypoints.bench.short.NORMALISED``), so an unchanged tree passes on any H200 host;
 the gate's CPU tests (``test_perf_gate_cpu.py``) check that on two hosts' recorded figures.
 Record (or refresh, after a deliberate change) the baseline on the H200 and commit it:
 
-    PYTHONPATH=. python -m engine.bench.short --write-baseline phases/11_performance/baseline.json
+    PYTHONPATH=. python -m engine.entrypoints.bench.short --write-baseline phases/11_performance/baseline.json
 
 ``PERF_TOLERANCE=0.15`` overrides the baseline's tolerance. The figures go into the gate report
 (``python -m gates diff`` shows them, and the raw ones) and the whole benchmark report to
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench.short import FULL, NORMALISED, RAW_FIGURES, TOLERANCE, normalise, run_short, write_json
-from engine.models.decoder import DecoderModel
+from engine.entrypoints.bench.short import FULL, NORMALISED, RAW_FIGURES, TOLERANCE, normalise, run_short, write_json
+from engine.model.models.decoder import DecoderModel
 from gates.diff import compare
 
 BASELINE = Path(__file__).with_name("baseline.json")
-RECORD = "PYTHONPATH=. python -m engine.bench.short --write-baseline phases/11_performance/baseline.json"
+RECORD = "PYTHONPATH=. python -m engine.entrypoints.bench.short --write-baseline phases/11_performance/baseline.json"
 REPORT = Path(__file__).resolve().parents[2] / "build" / "perf-short.json"
 
 

@@ -2,7 +2,7 @@
 presets (a complete report; never a timing assertion), and the gate's normalisation fed with
 figures recorded on two H200 hosts (``recorded_hosts.json``).
 
-The gate compares normalised figures (``engine.bench.short.NORMALISED``): GPU-bound ones as
+The gate compares normalised figures (``engine.entrypoints.bench.short.NORMALISED``): GPU-bound ones as
 ratios to the same run's device floors, the host-bound eager one times the same run's host
 reference. An unchanged tree must pass on any H200 host, and a real slowdown must still fail,
 naming its figure. The recorded hosts measured their floors but not the host reference (it is
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.bench.short import NORMALISED, RAW_FIGURES, TOLERANCE, baseline_from, main, normalise
+from engine.entrypoints.bench.short import NORMALISED, RAW_FIGURES, TOLERANCE, baseline_from, main, normalise
 from gates.diff import compare
 
 RECORDED = json.loads(Path(__file__).with_name("recorded_hosts.json").read_text())["hosts"]

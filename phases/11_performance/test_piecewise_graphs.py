@@ -1,13 +1,13 @@
-"""Piecewise CUDA graphs for steps that carry prefill chunks (``engine.piecewise_graphs``): the
+"""Piecewise CUDA graphs for steps that carry prefill chunks (``engine.worker.piecewise_graphs``): the
 size ladder, the static inputs' padding, the eager regions' rows, the option; on a GPU, token
 for token against eager with no eager forward left while serving."""
 import pytest
 import torch
 
-from engine.engine_args import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.piecewise_graphs import PiecewiseGraphs, Region, prefill_graph_sizes
-from engine.sequence import SamplingParams
+from engine.core.engine_args import EngineArgs
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.worker.piecewise_graphs import PiecewiseGraphs, Region, prefill_graph_sizes
 from phases.checkpoints import make_tiny_checkpoint
 
 
@@ -122,7 +122,7 @@ def test_a_size_that_syncs_with_the_host_runs_eagerly(tmp_path, caplog):
     outside bf16 on sm90: those sizes cannot be captured, so they are dropped with a warning and
     their steps run eagerly; the sizes up to 64 are captured."""
     path = make_tiny_checkpoint(tmp_path / "deepseek", "DeepseekV2ForCausalLM", seed=7)
-    with caplog.at_level("WARNING", logger="engine.piecewise_graphs"):
+    with caplog.at_level("WARNING", logger="engine.worker.piecewise_graphs"):
         engine = LLMEngine(path, **{**ENGINE_ARGS, "max_num_batched_tokens": 128})
     assert engine.runner.prefill_graphs.sizes == [16, 32, 64]
     assert "2 of 5 sizes sync with the host" in caplog.text

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.__main__ import main as engine_main
-from engine.bench import add_bench_command
-from engine.bench.short import FULL, RAW_FIGURES
+from engine.entrypoints.bench import add_bench_command
+from engine.entrypoints.bench.short import FULL, RAW_FIGURES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import record_benchmarks  # noqa: E402
@@ -91,7 +91,8 @@ def test_cpu_reports_are_refused_and_nothing_is_written(latency_report, tmp_path
 def short_report() -> dict:
     """The full-scale short benchmark's report as ``run_short`` shapes it, with host A's recorded figures."""
     raw = RECORDED["two-gpu host, 2026-11-29"]["raw_figures"]
-    return {"bench": "short", "command": "python -m engine.bench.short --output short.json", "machine": MACHINE,
+    return {"bench": "short", "command": "python -m engine.entrypoints.bench.short --output short.json",
+            "machine": MACHINE,
             "scale": {"name": "full", "qwen3": FULL.qwen3, "deepseek": FULL.deepseek, "prefill_len": FULL.prefill_len},
             "raw_figures": {name: {"value": value, "unit": RAW_FIGURES[name][0],
                                    "higher_is_better": RAW_FIGURES[name][1]} for name, value in raw.items()}}
@@ -120,7 +121,8 @@ def test_gpu_reports_merge_into_benchmarks_json(tmp_path):
     # the floors report came last: its chain replaces the short run's, with its own command and peers
     chain = figures["qwen3_8b_matmul_chain_tok_s"]
     assert (chain["value"], chain["command"], chain["peer"]["copy_gb_s"]) == (236.0, floors["command"], 4250.0)
-    assert figures["qwen3_8b_b1_graphs_tok_s"]["command"] == "python -m engine.bench.short --output short.json"
+    short_command = "python -m engine.entrypoints.bench.short --output short.json"
+    assert figures["qwen3_8b_b1_graphs_tok_s"]["command"] == short_command
     assert {figure["device"] for figure in figures.values()} == {"NVIDIA H200", "g"}
     assert set(kept) <= set(chain) and chain["date"] == MACHINE["time"]
     # --only: just the matching figures of a report; the others stay as they were

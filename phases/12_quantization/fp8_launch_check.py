@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton import fp8 as triton_fp8
-from engine.kernels.triton.semaphores import zeroed_counters
+from engine.model.kernels.triton import fp8 as triton_fp8
+from engine.model.kernels.triton.semaphores import zeroed_counters
 from fp8_truth import dequantize, quantize_groups, random_fp8_weight, rel_error
 
 

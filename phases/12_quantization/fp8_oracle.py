@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from engine.kv_cache import bind_kv_cache
+from engine.worker.kv_cache import bind_kv_cache
 from fp8_truth import dequantize, quantize_groups
 from phases.harness import all_logits_step, num_blocks_for, run_paged
 

@@ -31,11 +31,11 @@ class Target:
 
 
 TARGETS = [
-    pytest.param(Target("torch-cpu", "engine.kernels.fp8_reference", "cpu", torch.float32), id="torch-cpu"),
-    pytest.param(Target("triton-interpret", "engine.kernels.triton.fp8", "cpu", torch.float32),
+    pytest.param(Target("torch-cpu", "engine.model.kernels.fp8_reference", "cpu", torch.float32), id="torch-cpu"),
+    pytest.param(Target("triton-interpret", "engine.model.kernels.triton.fp8", "cpu", torch.float32),
                  id="triton-interpret", marks=pytest.mark.skipif(HAS_CUDA or not HAS_TRITON,
                                                                  reason="the interpreter runs only without a GPU")),
-    pytest.param(Target("triton-cuda", "engine.kernels.triton.fp8", "cuda", torch.bfloat16), id="triton-cuda",
+    pytest.param(Target("triton-cuda", "engine.model.kernels.triton.fp8", "cuda", torch.bfloat16), id="triton-cuda",
                  marks=pytest.mark.cuda),
 ]
 # The Triton kernels alone: the interpreter on a CPU-only machine, the real kernels under ``cuda``.

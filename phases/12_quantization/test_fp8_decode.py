@@ -1,4 +1,4 @@
-"""The FP8 decode launches of ``engine.kernels.triton.fp8`` (up to 16 rows: the GEMM's split-K
+"""The FP8 decode launches of ``engine.model.kernels.triton.fp8`` (up to 16 rows: the GEMM's split-K
 shapes, forced one at a time) against float64 on the dequantized values, and the host work of
 every decode launch (the GEMV's too): Triton under its interpreter on CPU, the real kernels under
 ``cuda``. The GEMV's cases are in ``test_fp8_gemv.py``: interpreter cases spread over files run
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.triton import fp8 as triton_fp8
-from engine.kernels.triton.fp8 import GemmConfig
-from engine.kernels.triton.fp8_gemv import Fp8GemvConfig
+from engine.model.kernels.triton import fp8 as triton_fp8
+from engine.model.kernels.triton.fp8 import GemmConfig
+from engine.model.kernels.triton.fp8_gemv import Fp8GemvConfig
 from fp8_launch_check import check_decode_launch
 from fp8_truth import TRITON_TARGETS, random_fp8_weight
 from phases.harness import HostOpRecorder, count_step

@@ -1,11 +1,11 @@
-"""The FP8 decode GEMV of ``engine.kernels.triton.fp8_gemv`` (1-8 rows, forced) against float64 on
+"""The FP8 decode GEMV of ``engine.model.kernels.triton.fp8_gemv`` (1-8 rows, forced) against float64 on
 the dequantized values: Triton under its interpreter on CPU, the real kernel under ``cuda``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels.triton.fp8_gemv import Fp8GemvConfig
+from engine.model.kernels.triton.fp8_gemv import Fp8GemvConfig
 from fp8_launch_check import check_decode_launch
 from fp8_truth import TRITON_TARGETS
 

@@ -1,4 +1,4 @@
-"""The FP8 ops (``engine.kernels.fp8``) against the format written out in ``fp8_truth`` and
+"""The FP8 ops (``engine.model.kernels.fp8``) against the format written out in ``fp8_truth`` and
 float64 products, on every backend present (torch reference on CPU, Triton under its
 interpreter on CPU, Triton on CUDA)."""
 from __future__ import annotations
@@ -8,18 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import kernels
-from engine.kernels import fp8
-from engine.kernels.triton import fp8 as triton_fp8
-from engine.kernels.triton.fp8 import GemmConfig, _group_by_expert
-from engine.kernels.triton.fp8_tiles import saturate_to_fp8
+from engine.model import kernels
+from engine.model.kernels import fp8
+from engine.model.kernels.triton import fp8 as triton_fp8
+from engine.model.kernels.triton.fp8 import GemmConfig, _group_by_expert
+from engine.model.kernels.triton.fp8_tiles import saturate_to_fp8
 from fp8_truth import TARGETS, dequantize, quantize_groups, random_fp8_weight, rel_error
 from phases.harness import count_step
 
 
 @pytest.fixture(params=TARGETS)
 def target(request, monkeypatch):
-    """A backend; the public ops (``engine.kernels.fp8``) run on it: CPU tensors go to the Triton
+    """A backend; the public ops (``engine.model.kernels.fp8``) run on it: CPU tensors go to the Triton
     interpreter for the triton-interpret target (by default they take the torch reference)."""
     if request.param.name == "triton-interpret":
         monkeypatch.setattr(kernels, "_select", lambda device_type, forced: "triton")

@@ -1,4 +1,4 @@
-"""The FP8 GEMM with the weight on the tensor cores' large side (``engine.kernels.triton.fp8_mma_gemv``,
+"""The FP8 GEMM with the weight on the tensor cores' large side (``engine.model.kernels.triton.fp8_mma_gemv``,
 1-128 rows, forced) against float64 on the dequantized values: Triton under its interpreter on CPU, the real
 kernel (wgmma) under ``cuda``."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.triton.fp8_mma_gemv import Fp8MmaGemvConfig
+from engine.model.kernels.triton.fp8_mma_gemv import Fp8MmaGemvConfig
 from fp8_launch_check import check_decode_launch
 from fp8_truth import TRITON_TARGETS
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from engine.distributed import TPGroup
-from engine.layers.linear import UNQUANTIZED
-from engine.llm_engine import LLMEngine
-from engine.loader import load_checkpoint
-from engine.models.registry import build_model
-from engine.sequence import SamplingParams
+from engine.model.config import ModelConfig
+from engine.model.layers.linear import UNQUANTIZED
+from engine.model.loader import load_checkpoint
+from engine.model.models.registry import build_model
 from fp8_oracle import (
     W8A8,
     assert_w8a8_rows,

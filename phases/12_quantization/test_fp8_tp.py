@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.distributed import TPGroup
-from engine.loader import load_checkpoint
-from engine.models.registry import build_model
+from engine.model.config import ModelConfig
+from engine.model.loader import load_checkpoint
+from engine.model.models.registry import build_model
 from fp8_oracle import engine_logits
 from phases.checkpoints import FP8_CONFIGS
 

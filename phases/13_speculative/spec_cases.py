@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import random
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from phases.checkpoints import WORDS
 
 VOCAB = 2 + len(WORDS)  # ids 0 and 1 are <unk> and <|endoftext|> (the EOS)

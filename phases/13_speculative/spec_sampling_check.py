@@ -10,9 +10,9 @@ comes from the next step). The truth is transformers' model on the same checkpoi
 the second."""
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 
 NUM_DRAWS = 2000
 TEMPERATURE = 1.0

@@ -5,9 +5,9 @@ graphs of more than one row per sequence."""
 import pytest
 import torch
 
-from engine.bench.spec import edit_workload
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.entrypoints.bench.spec import edit_workload
 
 
 @pytest.mark.cuda

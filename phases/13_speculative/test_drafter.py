@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sequence import SamplingParams, Sequence
-from engine.speculative import NgramDrafter
+from engine.scheduling.sequence import SamplingParams, Sequence
+from engine.scheduling.speculative import NgramDrafter
 from spec_cases import reference_draft
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import spec_cases as cases
-from engine.bench.spec import edit_workload
-from engine.engine_args import EngineArgs
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.entrypoints.bench.spec import edit_workload
 from phases.checkpoints import make_tiny_checkpoint
 from spec_cases import SPEC, VOCAB, assert_no_block_leaks, expected_runs, repeating_prompts, run, shrink_kv_pool
 
@@ -219,7 +219,7 @@ def test_options_are_checked_where_they_enter_and_overlap_is_turned_off(checkpoi
                           (dict(speculative="ngram", inference_backend="hf"), "hf backend")):
         with pytest.raises(ValueError, match=field):
             LLMEngine(path, **kwargs, **ENGINE_ARGS)
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.core.llm_engine"):
         engine = LLMEngine(path, speculative="ngram", overlap=True, **ENGINE_ARGS)
     assert not engine.overlap and "overlap is off" in caplog.text and "n-gram speculation" in engine.summary()
     args = EngineArgs(model=str(path), speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1)

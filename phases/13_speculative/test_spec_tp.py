@@ -4,8 +4,8 @@ with drafts accepted, and the same seeded tokens as the plain engine."""
 import pytest
 import torch.distributed as dist
 
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from spec_cases import SPEC, VOCAB, assert_no_block_leaks, covering_prompt, hf_greedy, repeating_prompts
 
 MAX_NEW = 12

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.sequence import SamplingParams
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.matchers import GrammarMatchers
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.scheduling.sequence import SamplingParams
+from engine.scheduling.structured.compiler import GrammarCompiler
+from engine.scheduling.structured.matchers import GrammarMatchers
 from phases.checkpoints import make_tiny_checkpoint, written_once
 
 EOS = 0  # the demo tokenizer's <|endoftext|>

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.spec import StructuredSpec, spec_from_request
+from engine.scheduling.structured.compiler import GrammarCompiler
+from engine.scheduling.structured.spec import StructuredSpec, spec_from_request
 
 VOCAB = 8192  # the demo model's
 

@@ -1,7 +1,7 @@
 """Helpers of the phase-14 parser tests: deterministic id sources, splitting an output into
 deltas, the OpenAI SDK's own assembly of a chat stream (``ChatCompletionStreamState``, what
 ``client.chat.completions.stream`` uses) as the truth for what a client sees, and a chat choice
-read whole and streamed (``engine.server.chat_output.ChatParsing``) in one comparable shape."""
+read whole and streamed (``engine.entrypoints.server.chat_output.ChatParsing``) in one comparable shape."""
 from __future__ import annotations
 
 import itertools

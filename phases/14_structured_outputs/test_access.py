@@ -1,4 +1,4 @@
-"""Who may call the server (``engine.server.access``): the API key on every ``/v1`` route (401 as
+"""Who may call the server (``engine.entrypoints.server.access``): the API key on every ``/v1`` route (401 as
 an OpenAI error object without it or with a wrong one; ``/health``, ``/metrics``, ``/version``
 open), CORS only for the origins named, and TLS from a certificate and key. Each is checked on a
 real aiohttp server bound to a free loopback port, with a plain HTTP client."""
@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from engine.server.access import api_key_middleware, cors_middleware, ssl_context
+from engine.entrypoints.server.access import api_key_middleware, cors_middleware, ssl_context
 
 KEY = "sk-test-0123456789"
 

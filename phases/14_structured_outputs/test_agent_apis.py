@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from agent_cases import ADD, HISTORY, TOOLS
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
 from test_agent_server import BLOCK_SIZE, KEY, MAX_MODEL_LEN, THINKING_TEMPLATE, make_agent_checkpoint
 
 server_cases = importlib.import_module("phases.10_e2e_acceptance.server_cases")

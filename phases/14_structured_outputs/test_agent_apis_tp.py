@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from test_agent_server import make_agent_checkpoint
 
 server_cases = importlib.import_module("phases.10_e2e_acceptance.server_cases")

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from agent_cases import TOOLS, TOOLS_TEMPLATE
-from engine.llm_engine import LLMEngine
-from engine.structured.compiler import GrammarCompiler
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.structured.compiler import GrammarCompiler
 
 server_cases = importlib.import_module("phases.10_e2e_acceptance.server_cases")
 

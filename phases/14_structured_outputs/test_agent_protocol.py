@@ -1,4 +1,4 @@
-"""Agent requests where they enter (``engine.server.protocol``): tools rendered by the chat template
+"""Agent requests where they enter (``engine.entrypoints.server.protocol``): tools rendered by the chat template
 with a history of calls and results, ``tool_choice`` forcing one call through a ``tool_call``
 structured spec of the function's parameters, ``response_format`` / ``structured_outputs`` read into
 a spec, ``chat_template_kwargs`` reaching the template, every field honoured or refused by name,
@@ -10,11 +10,11 @@ import json
 import pytest
 
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import load_tokenizer
-from engine.sampling_defaults import OPENAI, sampling_defaults
-from engine.server.protocol import OpenAIProtocol
-from engine.server.request_body import APIError
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import load_tokenizer
+from engine.core.sampling_defaults import OPENAI, sampling_defaults
+from engine.entrypoints.server.protocol import OpenAIProtocol
+from engine.entrypoints.server.request_body import APIError
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_schemas_too_deep_or_with_pattern_properties_are_400s(tokenizer):
     """A schema nested past MAX_SCHEMA_DEPTH (given as an object, or as JSON text nested past the
     recursion limit) is a 400 before anything recurses into it; patternProperties (whose keys the
     grammar cannot keep unique) is a 400 naming it; a property merely named so is fine."""
-    from engine.structured.spec import MAX_SCHEMA_DEPTH
+    from engine.scheduling.structured.spec import MAX_SCHEMA_DEPTH
 
     proto = protocol(tokenizer)
     deep: dict = {"type": "string"}

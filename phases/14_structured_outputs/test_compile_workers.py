@@ -1,4 +1,4 @@
-"""The grammar compiler's worker processes (engine/structured/compiler.py, compile_worker.py):
+"""The grammar compiler's worker processes (engine/scheduling/structured/compiler.py, compile_worker.py):
 a compile past the time limit is stopped and its worker replaced; one client's slow schemas never
 make another client's compile fail; a client's queue is bounded; the cache holds at most its bytes
 and a grammar over the per-grammar cap is refused; a worker whose memory grew is replaced; close()
@@ -21,10 +21,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import load_tokenizer
-from engine.structured.compiler import GrammarBusy, MiB, _Refused
-from engine.structured.spec import StructuredOutputError, StructuredSpec
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import load_tokenizer
+from engine.scheduling.structured.compiler import GrammarBusy, MiB, _Refused
+from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 from grammar_cases import VOCAB, counted_compilers, schema_spec, slow_spec
 
 ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'

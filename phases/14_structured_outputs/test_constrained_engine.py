@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from constrained_cases import EOS, VOCAB, demo_tokenizer_checkpoint, prompts, reference_greedy, run
-from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
-from engine.structured.spec import StructuredSpec, spec_from_request
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.sequence import SamplingParams
+from engine.scheduling.structured.spec import StructuredSpec, spec_from_request
 from test_grammar import SCHEMAS
 
 DIGIT_7 = 23  # the demo tokenizer's "7"

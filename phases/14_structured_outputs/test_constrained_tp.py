@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from constrained_cases import demo_tokenizer_checkpoint, reference_greedy, run
-from engine.llm_engine import LLMEngine
-from engine.structured.compiler import GrammarCompiler
+from engine.core.llm_engine import LLMEngine
+from engine.scheduling.structured.compiler import GrammarCompiler
 from test_constrained_engine import ARGS, constrained_requests
 
 

@@ -21,11 +21,11 @@ import jsonschema
 import pytest
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.llm_engine import load_tokenizer
-from engine.structured.compiler import GrammarCompiler
-from engine.structured.matchers import GrammarMatchers, apply_bitmask
-from engine.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
+from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.llm_engine import load_tokenizer
+from engine.scheduling.structured.compiler import GrammarCompiler
+from engine.scheduling.structured.matchers import GrammarMatchers, apply_bitmask
+from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request
 from grammar_cases import VOCAB, counted_compilers, schema_spec, slow_spec
 
 SEEDS = range(20)
@@ -627,9 +627,9 @@ def test_a_forced_tool_call_parses_and_validates(compiler, tokenizer, eos, parse
     prefix, the call object's schema, its suffix) makes every output one call that the same
     parser reads whole, naming a tool of the request, its arguments valid for its parameters."""
     from agent_cases import TOOLS
-    from engine.server.tool_parsers import tool_parser
-    from engine.server.tools import call_schema, validate_tools
-    from engine.structured.spec import tool_call_spec
+    from engine.scheduling.structured.spec import tool_call_spec
+    from engine.entrypoints.server.tool_parsers import tool_parser
+    from engine.entrypoints.server.tools import call_schema, validate_tools
 
     body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
             "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}}

@@ -1,12 +1,12 @@
-"""Reasoning parsers (engine/server/reasoning.py) on Qwen3- and DeepSeek-R1-shaped outputs: the
+"""Reasoning parsers (engine/entrypoints/server/reasoning.py) on Qwen3- and DeepSeek-R1-shaped outputs: the
 whole-output split against hand-written answers, each rule of the two parsers, and the stream,
 for every split, assembled by the OpenAI SDK into the same reasoning_content and content."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.reasoning import reasoning_parser
-from engine.server.tool_parsers import tool_parser
+from engine.entrypoints.server.reasoning import reasoning_parser
+from engine.entrypoints.server.tool_parsers import tool_parser
 from stream_cases import counting_ids, pieces, run_stream, sdk_message
 
 QWEN3_THINKING_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"

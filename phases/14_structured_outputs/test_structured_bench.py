@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine.__main__ import main
-from engine.bench import structured
-from engine.bench.serve import RequestResult
+from engine.entrypoints.bench import structured
+from engine.entrypoints.bench.serve import RequestResult
 
 TEMPLATE = Path(structured.__file__).with_name("hermes_tools.jinja")
 SIDE_KEYS = ("completed", "failed", "output_tokens", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2el_ms")

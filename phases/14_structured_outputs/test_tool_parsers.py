@@ -1,7 +1,7 @@
-"""Tool-call parsers (engine/server/tool_parsers.py) on outputs shaped like real Qwen3 (hermes) and
+"""Tool-call parsers (engine/entrypoints/server/tool_parsers.py) on outputs shaped like real Qwen3 (hermes) and
 Llama 3.x (JSON) tool calls: the whole-output parse against hand-written answers, and the stream,
 for every split of each output into deltas, assembled by the OpenAI SDK into the same message.
-Then a chat choice read for a request (engine/server/chat_output.py): calls of functions the
+Then a chat choice read for a request (engine/entrypoints/server/chat_output.py): calls of functions the
 request does not offer stay content, parallel_tool_calls false keeps one call, and a forced call
 cut off by max_tokens is that call, never content; whole and streamed alike."""
 import json
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.server.call_object import compact
-from engine.server.chat_output import ChatParsing
-from engine.server.json_stream import JsonScanner
-from engine.server.tool_parsers import default_tool_parser, random_call_id, tool_parser
+from engine.entrypoints.server.call_object import compact
+from engine.entrypoints.server.chat_output import ChatParsing
+from engine.entrypoints.server.json_stream import JsonScanner
+from engine.entrypoints.server.tool_parsers import default_tool_parser, random_call_id, tool_parser
 from stream_cases import chat_streamed, chat_whole, counting_ids, pieces, run_stream, sdk_message
 
 WEATHER_PARIS = '{"city":"Paris","unit":"celsius"}'

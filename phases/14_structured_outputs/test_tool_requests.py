@@ -1,4 +1,4 @@
-"""Tool fields of a chat request (engine/server/tools.py): every bad field is an error naming it
+"""Tool fields of a chat request (engine/entrypoints/server/tools.py): every bad field is an error naming it
 (never echoing a large input), names and ids of history tool calls cannot write the prompt, the
 lists are capped and checked in linear time; the schema a forced tool choice enforces takes
 exactly the calls of the chosen functions, and a call written to it reads back through the
@@ -10,8 +10,8 @@ import re
 import pytest
 from jsonschema import Draft202012Validator
 
-from engine.server.tool_parsers import tool_parser
-from engine.server.tools import (
+from engine.entrypoints.server.tool_parsers import tool_parser
+from engine.entrypoints.server.tools import (
     MAX_HISTORY_CALLS,
     MAX_TOOLS,
     ToolRequest,

@@ -1,0 +1,127 @@
+"""``python -m engine bench spec``: speculative decoding (n-gram drafts) at B=1.
+
+Workloads (a checkpoint with a real tokenizer; default the demo model), each request alone,
+greedy, through a plain engine (the default: overlapped steps) and a speculative one:
+
+- ``edit``: a function from the held-out test split of the demo model's corpus
+  (``spec_workload.json``, written by ``scripts/make_spec_workload.py``), then the same function
+  begun again with a parameter renamed (its first two lines); the answer is asked to run as
+  long as the edited rest of the function (+ 8 tokens). Much of it can be copied from the prompt.
+- ``plain``: the first half of each function's lines, continued as long as the rest: little
+  to copy.
+
+Per workload and engine: output tokens, target forwards (engine steps: each computes one
+forward of the target model; the prefill counts), tokens per forward, seconds and tok/s; for
+the speculative engine the drafted and accepted tokens, and whether its tokens equal the plain
+engine's (they must). The verify step: the time of a B=1 decode step against a verify step of
+the same sequence with k drafts (``--verify-context`` tokens of context; CUDA graphs unless
+``--enforce-eager``), median of ``--verify-steps``, and their ratio.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.sequence import SamplingParams, Sequence
+
+WORKLOAD = Path(__file__).with_name("spec_workload.json")
+HEAD_LINES = 2  # lines of the edited function the edit prompt begins
+
+
+def edit_workload() -> list[tuple[str, str]]:
+    """(prompt, the rest of the edited function) per workload function."""
+    items = []
+    for item in json.loads(WORKLOAD.read_text())["functions"]:
+        old, new = item["rename"]
+        lines = re.sub(rf"\b{re.escape(old)}\b", new, item["code"]).splitlines()
+        items.append((f"{item['code']}\n\n\n" + "\n".join(lines[:HEAD_LINES]),
+                      "\n" + "\n".join(lines[HEAD_LINES:]) + "\n"))
+    return items
+
+
+def plain_workload() -> list[tuple[str, str]]:
+    """(the first half of a function's lines, the rest) per workload function."""
+    items = []
+    for item in json.loads(WORKLOAD.read_text())["functions"]:
+        lines = item["code"].splitlines()
+        half = len(lines) // 2
+        items.append(("\n".join(lines[:half]), "\n" + "\n".join(lines[half:]) + "\n"))
+    return items
+
+
+def run_workload(engine, items: list[tuple[str, str]]) -> tuple[dict, list[list[int]]]:
+    """Each (prompt, answer) alone, greedy, for the answer's token count + 8 tokens (EOS ends it
+    sooner); the figures and every request's tokens."""
+    tokenizer = engine.tokenizer
+    tokens, forwards, outputs, drafted, accepted = 0, 0, [], 0, 0
+    start = time.perf_counter()
+    for prompt, answer in items:
+        params = SamplingParams(temperature=0.0, max_tokens=len(tokenizer.encode(answer)) + 8)
+        steps = engine.num_steps
+        rid = engine.add_request(tokenizer.encode(prompt, add_special_tokens=False), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = engine.pop_request(rid)
+        forwards += engine.num_steps - steps
+        tokens += len(out.token_ids)
+        drafted, accepted = drafted + out.num_draft_tokens, accepted + out.num_accepted_tokens
+        outputs.append(out.token_ids)
+    seconds = time.perf_counter() - start
+    figures = {"requests": len(items), "output_tokens": tokens, "forwards": forwards,
+               "tokens_per_forward": tokens / forwards, "seconds": seconds, "tok_s": tokens / seconds}
+    if engine.scheduler.drafter is not None:
+        figures.update(draft_tokens=drafted, accepted_tokens=accepted, acceptance_rate=accepted / max(drafted, 1))
+    return figures, outputs
+
+
+def run_workloads(plain, spec, num_requests: int | None) -> dict:
+    """Both workloads through both engines (warmed up on one request first)."""
+    report = {}
+    for name, items in (("edit", edit_workload()), ("plain", plain_workload())):
+        items = items[:num_requests]
+        report[name] = {}
+        for engine in (plain, spec):
+            run_workload(engine, items[:1])  # warm-up
+        plain_figures, plain_tokens = run_workload(plain, items)
+        spec_figures, spec_tokens = run_workload(spec, items)
+        report[name] = {"plain": plain_figures, "spec": spec_figures, "same_tokens": plain_tokens == spec_tokens,
+                        "forwards_saved": 1 - spec_figures["forwards"] / plain_figures["forwards"],
+                        "speedup": spec_figures["tok_s"] / plain_figures["tok_s"]}
+    return report
+
+
+def measure_verify_step(engine, num_drafts: int, context_len: int, steps: int) -> dict:
+    """Median ms of a B=1 decode step and of a verify step with ``num_drafts`` drafted tokens
+    after ``context_len`` tokens (the runner's launch and read-back of one step, repeated on the
+    same sequence: each rewrites the same slots), and their ratio."""
+    runner, bm = engine.runner, engine.block_manager
+    context_len = min(context_len, engine.max_model_len - num_drafts - 1)
+    seq = Sequence([(7 * i) % engine.config.vocab_size for i in range(context_len)],
+                   SamplingParams(temperature=0.0, max_tokens=num_drafts + 1), request_id="verify-step")
+    bm.allocate(seq)
+    if bm.take_slots(seq, context_len + num_drafts) < context_len + num_drafts:
+        raise ValueError(f"the KV cache cannot hold {context_len + num_drafts} tokens")
+    times = {}
+    try:
+        for name, draft in (("decode", []), ("verify", [1] * num_drafts)):
+            batch = ScheduledBatch([seq], [context_len - 1], [1 + len(draft)], [True], [draft])
+            samples = []
+            for i in range(steps + 3):  # the first three warm up
+                start = time.perf_counter()
+                runner.launch(batch).token_ids()
+                if i >= 3:
+                    samples.append(time.perf_counter() - start)
+            times[name] = 1e3 * statistics.median(samples)
+    finally:
+        runner.release(seq)
+        bm.free(seq)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return {"context_len": context_len, "num_drafts": num_drafts, "graphs": bool(getattr(runner, "graphs", None)),
+            "decode_ms": times["decode"], "verify_ms": times["verify"], "ratio": times["verify"] / times["decode"]}

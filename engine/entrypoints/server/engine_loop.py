@@ -1,0 +1,386 @@
+"""The one thread that calls the engine, the TP lock-step protocol, the error policy and draining.
+
+HTTP handlers ``submit`` and ``abort`` streams from their own thread. Between steps the engine
+thread adds and aborts what they queued, steps while there is work, and posts each stream's
+progress into the stream (the engine's ``RequestOutput`` from the stream's cursor on: new tokens,
+new text, new logprobs, the finish); a stream keeps only what its reader has not taken yet, so a
+slow reader costs O(its text) and never stalls the loop. A finished request is forgotten by the
+engine at once.
+
+Under torchrun rank 0 serves HTTP: every iteration it sends the other ranks a two-int header
+(payload bytes, stop) over gloo and, only when there are commands, their pickled payload; every
+rank then adds, aborts and steps the same requests in the same order (request ids are counters,
+identical on every rank). The other ranks only mirror (``mirror_rank0``).
+
+Error policy: in one process a step that raises fails the requests of the steps in flight (an
+error answer each; the engine goes on), so a request that breaks a step harms only its batch. Steps
+that fail ``MAX_FAILED_STEPS`` times in a row mean the engine itself is broken (a device error that
+stays): the loop ends, every stream gets the error, ``/health`` answers 503 and ``serve`` exits
+with status 1, for a supervisor to restart it, rather than staying up half-alive. Under TP it is
+fatal at once: the rank that raised missed its
+peers' collectives, so the loop ends without sending anything more (a stop message could meet a
+peer waiting in another collective), every stream gets the error, and the process exits; the
+peers' next collective fails or torchrun stops them. A failure outside a step still sends the
+stop (the peers wait for the next header) and ends the streams as aborted (503). ``health()``
+reports a loop that has ended, is draining, or is in a step older than ``STALL_S`` (a peer gone).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import pickle
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from engine.core.output_processor import RequestOutput
+from engine.scheduling.sequence import SamplingParams
+from engine.entrypoints.server.metrics import ServerMetrics
+
+log = logging.getLogger("engine.entrypoints.server")
+
+HEARTBEAT_S = 5.0  # an idle rank 0 still sends a header this often, far inside the collective timeout
+STALL_S = 120.0  # an iteration with work pending taking longer than this: /health says so
+MAX_FAILED_STEPS = 3  # steps failing in a row: the engine is broken, not a request
+
+
+class Stream:
+    """One engine request of an HTTP request. The engine thread ``post``s its progress, a
+    ``RequestOutput`` delta; the handler waits on ``bell`` (an asyncio.Event shared by the
+    streams of one HTTP request) and ``take``s everything posted since it last took, merged into
+    one delta."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, index: int, bell: asyncio.Event):
+        self.prompt_token_ids, self.params, self.index, self.bell = prompt_token_ids, params, index, bell
+        self.event_loop = asyncio.get_running_loop()
+        self.request_id: str | None = None  # set by the engine thread
+        self.aborted = False
+        self.arrival = time.monotonic()
+        self.text_length = 0     # engine side: text posted so far (characters)
+        self.num_tokens = 0      # engine side: output tokens posted so far
+        self.last_token_at: float | None = None
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+
+    def post(self, output: RequestOutput) -> None:
+        """(Engine thread.) Add progress for the handler and ring its bell."""
+        with self._lock:
+            self._pending = output if self._pending is None else _merged(self._pending, output)
+        try:
+            self.event_loop.call_soon_threadsafe(self.bell.set)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    def end(self, finish_reason: str, error: str) -> None:
+        """(Engine thread.) End the stream without the engine: ``finish_reason`` because of ``error``."""
+        self.post(RequestOutput(self.request_id or "", self.prompt_token_ids, [], "", True, finish_reason,
+                                error=error))
+
+    def take(self) -> RequestOutput | None:
+        """(Handler.) Everything posted since the last take (None: nothing)."""
+        with self._lock:
+            taken, self._pending = self._pending, None
+        return taken
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    logprobs = then.logprobs if first.logprobs is None else first.logprobs + (then.logprobs or [])
+    return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
+                               logprobs=logprobs)
+
+
+def _send_commands(commands: list[tuple], stop: bool) -> None:
+    """Rank 0: the header to every other rank, then the pickled commands when there are any."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.distributed import get_tp_group
+
+    tp = get_tp_group()
+    if tp.size == 1:
+        return
+    payload = pickle.dumps(commands) if commands else b""
+    dist.broadcast(torch.tensor([len(payload), int(stop)], dtype=torch.int64), group=tp.group, group_src=0)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group=tp.group, group_src=0)
+
+
+def _receive_commands() -> tuple[list[tuple], bool]:
+    """Another rank: rank 0's commands and stop flag."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.distributed import get_tp_group
+
+    tp = get_tp_group()
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(header, group=tp.group, group_src=0)
+    size, stop = header.tolist()
+    if not size:
+        return [], bool(stop)
+    payload = torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(payload, group=tp.group, group_src=0)
+    return pickle.loads(payload.numpy().tobytes()), bool(stop)
+
+
+def _apply(engine, commands: list[tuple]) -> list[str | None]:
+    """Run commands, ``("add", token_ids, params)`` or ``("abort", request_id)``, on this rank's
+    engine; returns each add's request id (None when the engine refused it)."""
+    request_ids = []
+    for command in commands:
+        if command[0] == "add":
+            try:
+                request_ids.append(engine.add_request(command[1], command[2]))
+            except Exception:
+                log.exception("the engine refused a request")
+                request_ids.append(None)
+        else:
+            engine.abort_request(command[1])
+    return request_ids
+
+
+def run_step(engine) -> str | None:
+    """One ``engine.step()``; an error message when it raised (the engine has then finished the
+    requests of the steps in flight with "error"). Under TP a failed step is re-raised: fatal."""
+    try:
+        engine.step()
+        return None
+    except Exception as e:
+        log.exception("engine step failed")
+        if engine.tp.size > 1:
+            raise
+        return f"the engine failed on this request: {type(e).__name__}: {e}"
+
+
+def mirror_rank0(engine) -> None:
+    """A worker rank's loop: run rank 0's commands and steps until its stop. Any thread may run
+    it: it makes the engine's device current first. A failed step raises (fatal under TP)."""
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(engine.device)  # a new thread starts on cuda:0, whatever its rank's GPU
+    while True:
+        commands, stop = _receive_commands()
+        _apply(engine, commands)
+        if stop:
+            return
+        if commands or engine.has_unfinished_requests():
+            for output in engine.step():  # aborted and rejected ones included
+                engine.pop_request(output.request_id)
+
+
+class EngineLoop:
+    """The one thread that calls the engine (it is not thread-safe). Handlers ``submit`` and
+    ``abort`` streams from any thread; ``drain()`` refuses new ones; ``stop()`` ends the loop
+    (and the worker ranks)."""
+
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.failure: BaseException | None = None
+        self.on_exit: Callable[[], None] | None = None  # called on the engine thread as it ends
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}  # unfinished requests by engine request id
+        self._lock = threading.Lock()
+        self._closed: str | None = None  # why submissions are refused
+        self._stop_sent = False
+        self._busy_since: float | None = None  # when the current step started (None: not stepping)
+        self._failed_in_step = False
+        self._failed_steps = 0  # steps failed in a row
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_streams(self) -> int:
+        """Streams submitted and not finished yet (queued ones included)."""
+        return len(self._streams) + self._inbox.qsize()
+
+    def health(self) -> str | None:
+        """None when healthy, else why not."""
+        if self._closed is not None:
+            return self._closed
+        if not self.alive:
+            return "the engine loop is not running"
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > STALL_S:
+            return f"the engine loop has not finished a step for {time.monotonic() - busy:.0f} s"
+        return None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (at most ``timeout`` seconds)."""
+        self._thread.join(timeout)
+
+    def submit(self, stream: Stream) -> None:
+        self._put(("add", stream))
+
+    def abort(self, stream: Stream) -> None:
+        stream.aborted = True
+        self._put(("abort", stream), closed_ok=True)
+
+    def call(self, fn: Callable[[Any], Any], timeout: float = 60.0) -> Any:
+        """``fn(engine)`` run on the engine thread between steps, on rank 0 only (so no collectives)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(("call", fn, future), closed_ok=True)
+        return future.result(timeout)
+
+    def drain(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new submissions with ``reason``; the streams already in go on."""
+        with self._lock:
+            self._closed = self._closed or reason
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop: unfinished streams end as "abort"; worker ranks get the stop. Idempotent;
+        also sends the stop when the loop never started. Waits ``timeout`` seconds for the thread
+        (a thread stuck in a collective with a lost peer is left behind, logged)."""
+        self.drain()
+        if self._thread.ident is None:
+            self._send_stop()
+            return
+        self._put(("stop",), closed_ok=True)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the engine loop did not stop within %.0f s (a step or collective is stuck)", timeout)
+
+    def _put(self, item: tuple, closed_ok: bool = False) -> None:
+        with self._lock:
+            if self._closed is not None and not closed_ok:
+                raise RuntimeError(self._closed)
+            self._inbox.put(item)
+
+    def _send_stop(self) -> None:
+        """The stop to the other ranks, unless a step failed (a peer may wait in another collective)."""
+        if not self._stop_sent and not self._failed_in_step:
+            self._stop_sent = True
+            _send_commands([], True)
+
+    def _run(self) -> None:
+        engine = self.engine
+        if engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(engine.device)
+        try:
+            while True:
+                commands, streams, stop = self.take_commands()
+                self._stop_sent = stop
+                _send_commands(commands, stop)
+                for stream, request_id in zip(streams, _apply(engine, commands)):
+                    if request_id is None:
+                        stream.end("error", "the engine refused the request")
+                    else:
+                        stream.request_id = request_id
+                        self._streams[request_id] = stream
+                if stop:
+                    break
+                if commands or engine.has_unfinished_requests():
+                    self._busy_since = time.monotonic()
+                    error = run_step(engine)
+                    self._failed_steps = self._failed_steps + 1 if error else 0
+                    if self._failed_steps >= MAX_FAILED_STEPS:
+                        raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps failed in a row, the last: {error}")
+                    self._busy_since = None
+                self._publish()
+                self.metrics.observe(engine)
+        except BaseException as e:
+            self.failure = e
+            self._failed_in_step = self._busy_since is not None
+            log.exception("the engine loop failed; stopping the server")
+        finally:
+            try:
+                self._send_stop()
+            except Exception:
+                log.exception("could not send the stop to the other ranks")
+            if self._failed_in_step:
+                self._close(f"the engine failed: {type(self.failure).__name__}: {self.failure}", "error")
+            else:
+                self._close("the server is shutting down" if self.failure is None else "the engine loop failed")
+            if self.on_exit is not None:
+                try:
+                    self.on_exit()
+                except RuntimeError:  # the event loop has closed
+                    pass
+
+    def take_commands(self) -> tuple[list[tuple], list[Stream], bool]:
+        """Drain the inbox (waiting up to HEARTBEAT_S when the engine is idle): the commands to
+        send, the stream of each add, and whether to stop. Calls run here."""
+        items = []
+        if not self.engine.has_unfinished_requests():
+            try:
+                items.append(self._inbox.get(timeout=HEARTBEAT_S))
+            except queue.Empty:
+                pass
+        while not self._inbox.empty():
+            items.append(self._inbox.get())
+        commands, streams, stop = [], [], False
+        for kind, *rest in items:
+            if kind == "add" and not rest[0].aborted:
+                commands.append(("add", rest[0].prompt_token_ids, rest[0].params))
+                streams.append(rest[0])
+            elif kind == "abort" and rest[0].request_id is not None and rest[0].request_id in self._streams:
+                commands.append(("abort", rest[0].request_id))
+            elif kind == "call":
+                fn, future = rest
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:
+                    future.set_exception(e)
+            elif kind == "stop":
+                stop = True
+        return commands, streams, stop
+
+    def _publish(self) -> None:
+        """Post every stream's progress; forget the finished requests."""
+        now = time.monotonic()
+        for request_id, stream in list(self._streams.items()):
+            output = self.engine.request_output(request_id, stream.num_tokens, stream.text_length)
+            new_tokens = later_tokens = len(output.token_ids)
+            if new_tokens:
+                if stream.num_tokens == 0:
+                    self.metrics.first_token(now - stream.arrival)
+                    later_tokens -= 1
+                if later_tokens:
+                    self.metrics.next_tokens(later_tokens, now - (stream.last_token_at or now))
+                stream.last_token_at = now
+            stream.text_length += len(output.text)
+            stream.num_tokens += new_tokens
+            if output.finished:
+                del self._streams[request_id]
+                self.engine.pop_request(request_id)
+                stream.post(output)
+                self.metrics.finished(output.finish_reason, now - stream.arrival)
+                log.info("request %s: prompt %d tokens, output %d tokens, finished (%s) in %.3f s", request_id,
+                         len(stream.prompt_token_ids), stream.num_tokens, output.finish_reason, now - stream.arrival)
+            elif output.text or new_tokens or output.logprobs:
+                stream.post(output)
+
+    def _close(self, reason: str, finish: str = "abort") -> None:
+        """No more submissions; every stream still waiting ends as ``finish`` ("abort", or "error"
+        when a step failed: the engine's state is lost) with ``reason``."""
+        self.drain(reason)
+        if not self._failed_in_step:
+            for request_id in list(self._streams):
+                try:
+                    self.engine.abort_request(request_id)
+                    self.engine.pop_request(request_id)
+                except Exception:
+                    log.exception("could not abort request %s", request_id)
+        pending = list(self._streams.values())
+        while not self._inbox.empty():
+            kind, *rest = self._inbox.get()
+            if kind == "add":
+                pending.append(rest[0])
+            elif kind == "call":
+                rest[1].set_exception(RuntimeError(reason))
+        for stream in pending:
+            stream.end(finish, reason)
+        self._streams.clear()

@@ -1,0 +1,576 @@
+"""The OpenAI protocol: request bodies parsed and validated into engine requests, and the response
+objects (JSON, SSE chunks, logprobs, usage, errors).
+
+Every field is checked here, where the request enters (on a request worker thread, never the
+event loop), with vLLM's semantics where OpenAI is silent: a request the engine could not run is
+a 400 naming the field, never a failure inside a step. Every list is capped before any work that
+grows with it (``RequestLimits``; stop strings, stop token ids and bad words at the engine's
+caps), every check is linear, and no error echoes a large input back. Every field is honoured or
+refused: OpenAI's fields that mean nothing to a server like this one (``IGNORED_FIELDS``: ``user``,
+``metadata``, ``store``, ``verbosity``, ``prompt_cache_key`` ...) are accepted and ignored, as
+OpenAI-compatible servers do; ``reasoning_effort`` reaches the chat template (``"none"`` turns
+thinking off where the template reads ``enable_thinking``); a field this server knows but does not
+implement is refused when it asks for something (``REFUSED``: ``suffix``, a ``priority`` other than
+0, chat's ``echo``, ``prompt_logprobs`` and ``add_special_tokens``, ``audio``, ...); any other
+field is a 400 naming it (a typo is caught).
+
+Completions take ``echo`` (the prompt's text, its token ids decoded, before each choice's text;
+with ``logprobs: N`` the choice's logprobs cover the prompt tokens first, the first one with a
+null logprob and no alternatives, as OpenAI's legacy completions give them) and vLLM's
+``prompt_logprobs: N`` (a ``prompt_logprobs`` list on each choice: per prompt token null for the
+first, else ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the token and the N most
+likely ones; ranks count from 1 among the N, the token's own rank is null when it is not among
+them). ``max_tokens: 0`` with ``echo`` (lm-eval's loglikelihood) answers the prompt alone: the
+engine runs one token, which the answer drops (text, logprobs and usage).
+
+vLLM's sampling extensions are honoured: ``min_p``, ``logit_bias`` (OpenAI's ``{"token id": bias}``,
+ids in [0, vocab), biases in [-100, 100]), ``allowed_token_ids``, ``bad_words`` (each word banned
+as it tokenises with and without a leading space), ``include_stop_str_in_output``,
+``skip_special_tokens`` and, for completions, ``add_special_tokens`` (the prompt encoded with the
+tokenizer's special tokens).
+
+Chat requests may carry ``tools`` (rendered by the chat template, the output read by the
+server's tool-call parser; ``tool_choice`` ``"required"`` or a named function forces one call
+through the structured-output machinery, so its arguments always follow the function's
+``parameters``), assistant ``tool_calls`` and ``tool`` messages in their history, and
+``chat_template_kwargs`` for the template (``enable_thinking``). Any request may constrain its
+output (``response_format``, ``structured_outputs``: ``engine.scheduling.structured``). Sampling fields a
+request leaves out take the checkpoint's ``generation_config.json`` values, then OpenAI's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core.sampling_defaults import OPENAI, sampling_defaults
+from engine.scheduling.sequence import (
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
+from engine.entrypoints.server.chat_output import ChatParsing
+from engine.entrypoints.server.request_body import APIError, RequestLimits, bounded_int, check_fields, field, shown
+from engine.entrypoints.server.tool_parsers import default_tool_parser, tool_parser
+from engine.entrypoints.server.tools import (
+    ToolRequest,
+    ToolRequestError,
+    call_schema,
+    messages_for_template,
+    validate_tools,
+)
+
+log = logging.getLogger(__name__)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 16  # choices per prompt
+MAX_BAD_WORD_CHARS = 256
+# The field policy (docs/agents.md, "Fields"): OpenAI's fields that mean nothing to a server like this one
+# are accepted and ignored, as OpenAI-compatible servers do; a field of no API served is a 400.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "verbosity", "prediction"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
+                 "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
+                 "structured_outputs", "until", "do_sample", "min_p", "logit_bias", "allowed_token_ids",
+                 "bad_words", "include_stop_str_in_output", "skip_special_tokens"} | IGNORED_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens", "echo", "prompt_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
+# fields this server knows and does not implement (where the request kind does not take them):
+# refused unless they ask for nothing (one of these values)
+REFUSED = {"echo": (False, None), "suffix": (None, ""), "add_special_tokens": (None, False),
+           "prompt_logprobs": (None,), "priority": (None, 0), "lora_path": (None,), "audio": (None,),
+           "web_search_options": (None,), "functions": (None,), "function_call": (None,)}
+MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}  # developer is rendered as system
+# chat_template_kwargs the server sets itself
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                            "continue_final_message", "return_dict", "chat_template"}
+
+
+@dataclass
+class Choice:
+    """One engine request of an HTTP request: the choice ``index`` of prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """A parsed /v1/completions or /v1/chat/completions request."""
+
+    choices: list[Choice]
+    num_prompt_tokens: int   # every prompt counted once, whatever n
+    stream: bool
+    include_usage: bool
+    chat: bool
+    logprobs: bool           # return logprobs (chat: with top_logprobs alternatives)
+    structured: StructuredSpec | None = None   # what the output must match (compiled before it runs)
+    parsing: ChatParsing | None = None         # chat: how the output is read (None: as generated)
+    echo: bool = False       # completions: the prompt (and its logprobs) before each choice's output
+    num_logprobs: int = 0    # completions: the alternatives per logprobs token
+    prompt_logprobs: int | None = None         # completions: vLLM's prompt_logprobs list, N alternatives
+    drop_output: bool = False                  # max_tokens 0 (only with echo): the one token run is dropped
+
+
+class OpenAIProtocol:
+    """Parses requests against one model: its ``tokenizer`` (for text prompts, chat templates and
+    token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
+    (``engine.entrypoints.server.tool_parsers``; "none": tools are refused; None: the default of the
+    checkpoint's ``architecture``, read when a request first uses tools) reads tool calls,
+    ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
+    tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults,
+    ``engine.core.sampling_defaults``); ``limits`` caps the lists a request may hold.
+
+    Its methods are called from any thread (the server's request workers): they keep no state
+    but a cache of token texts. A text prompt longer than ``max_prompt_chars`` (``max_model_len``
+    times the longest token's characters: it cannot fit, whatever it encodes to) is refused
+    before it is encoded."""
+
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
+                 tool_call_parser: str | None = "none", reasoning_parser: str | None = None,
+                 chat_template: str | None = None, generation_config: dict | None = None, architecture: str = "",
+                 limits: RequestLimits = RequestLimits()):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.architecture = architecture
+        self.chat_template = chat_template
+        self.defaults = sampling_defaults(generation_config or {}, OPENAI)
+        self.limits = limits
+        self.max_prompt_chars = max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
+        self._token_text: dict[int, str] = {}
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def completion(self, body: dict) -> GenerationRequest:
+        check_fields(body, COMPLETION_FIELDS, REFUSED)
+        logprobs = bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
+        prompts = self._completion_prompts(body.get("prompt"), field(body, "add_special_tokens", bool, False))
+        echo = field(body, "echo", bool, False)
+        prompt_logprobs = bounded_int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+        max_tokens = bounded_int(body, "max_tokens", 0 if echo else 1, MAX_SEED, None)
+        structured = self._structured(body) if _constrained(body) else None
+        gen = self._request(body, prompts, 1 if max_tokens == 0 else max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                            logprobs, chat=False, structured=structured)
+        asked = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+        for choice in gen.choices:  # the engine computes the most alternatives either asks
+            choice.params = dataclasses.replace(choice.params, prompt_logprobs=max(asked) if asked else None)
+        return dataclasses.replace(gen, echo=echo, num_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
+                                   drop_output=max_tokens == 0)
+
+    def chat(self, body: dict) -> GenerationRequest:
+        check_fields(body, CHAT_FIELDS, REFUSED)
+        logprobs = None
+        if field(body, "logprobs", bool, False):
+            logprobs = bounded_int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
+        elif body.get("top_logprobs") is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
+                                  bounded_int(body, "max_tokens", 1, MAX_SEED, None))
+        if body.get("modalities") not in (None, ["text"]):
+            raise APIError(400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities")
+        if self.reasoning_parser is not None or _uses_agent_features(body):
+            rendered, structured, parsing = self._agent_chat(body)
+        else:
+            rendered, structured, parsing = self._render_chat(body.get("messages")), None, None
+        return self._request(body, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
+                             structured=structured, parsing=parsing)
+
+    def _agent_chat(self, body: dict) -> tuple[str, StructuredSpec | None, ChatParsing]:
+        """A chat request with tools, a tool history, a constraint or template arguments (or any
+        chat request on a server with a reasoning parser): its rendered prompt, what its output
+        must match (a forced tool call's spec, or the request's own), and how its output is read."""
+        tools = self._tool_request(body)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+            raise APIError(400, "'messages' must be a non-empty array of objects", param="messages")
+        rendered = self._render_chat(messages_for_template(messages), tools.tools, self._template_kwargs(body))
+        structured = self._structured(body) if _constrained(body) else None
+        if tools.tool_choice == "required":
+            if structured is not None:
+                raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
+                                    "'structured_outputs' cannot constrain one output together", param="tool_choice")
+            parser = tool_parser(self._tool_call_parser())
+            structured = tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key),
+                                        parser.call_suffix)
+        reads_tools = bool(tools.tools) and tools.tool_choice != "none"
+        return rendered, structured, ChatParsing(self._tool_call_parser() if reads_tools else None,
+                                                 self.reasoning_parser, rendered, tool_names=tools.names,
+                                                 forced=tools.tool_choice == "required",
+                                                 parallel_tool_calls=tools.parallel_tool_calls)
+
+    def _template_kwargs(self, body: dict) -> dict:
+        """The chat template's arguments: ``chat_template_kwargs``, with ``reasoning_effort`` (as
+        templates such as gpt-oss's read it) and, for ``"none"``, ``enable_thinking: false`` where
+        the template reads that (Qwen3's); what ``chat_template_kwargs`` sets wins."""
+        kwargs = dict(field(body, "chat_template_kwargs", dict, {}))
+        effort = field(body, "reasoning_effort", str)
+        if effort is None:
+            return kwargs
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{shown(effort)}", param="reasoning_effort")
+        template = self.chat_template or self.tokenizer.chat_template
+        if effort == "none" and isinstance(template, str) and "enable_thinking" in template:
+            kwargs.setdefault("enable_thinking", False)
+        return {"reasoning_effort": effort, **kwargs}
+
+    def _tool_call_parser(self) -> str:
+        """The tool-call parser's name: the one given, else the architecture's default."""
+        return default_tool_parser(self.architecture) if self.tool_call_parser is None else self.tool_call_parser
+
+    def _tool_request(self, body: dict) -> ToolRequest:
+        """The request's tool fields, checked; tools to read need a tool-call parser."""
+        try:
+            tools = validate_tools(body, self.limits.tools, self.limits.history_tool_calls)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools.tools and tools.tool_choice != "none" and self._tool_call_parser() == "none":
+            raise APIError(400, "this server reads no tool calls from the model's output: start it with "
+                                "--tool-call-parser (hermes for Qwen, llama3_json for Llama), or send "
+                                "tool_choice 'none'", param="tools")
+        return tools
+
+    @staticmethod
+    def _structured(body: dict) -> StructuredSpec | None:
+        """The request's ``response_format`` / ``structured_outputs`` as a spec (a 400 naming the field)."""
+        try:
+            return spec_from_request(body)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def _request(self, body: dict, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
+                 logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
+                 parsing: ChatParsing | None = None) -> GenerationRequest:
+        self._check_model(body)
+        n = bounded_int(body, "n", 1, MAX_N, 1)
+        best_of = bounded_int(body, "best_of", 1, MAX_N, n)
+        if best_of != n:
+            raise APIError(400, f"'best_of' must equal 'n' ({n}) here, got {best_of}", param="best_of")
+        params = dataclasses.replace(self._sampling_params(body, logprobs), structured=structured)
+        choices = []
+        for p_index, prompt in enumerate(prompts):
+            fitted = self._fit(prompt, params, max_tokens, default_max, "messages" if chat else "prompt")
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
+                choices.append(Choice(p_index * n + j, p_index, prompt, dataclasses.replace(fitted, seed=seed)))
+        stream = field(body, "stream", bool, False)
+        include_usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False)
+        return GenerationRequest(choices, sum(map(len, prompts)), stream, include_usage, chat, logprobs is not None,
+                                 structured, parsing)
+
+    def _check_model(self, body: dict) -> None:
+        model = field(body, "model", str)
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {shown(model)} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _sampling_params(self, body: dict, logprobs: int | None) -> SamplingParams:
+        """The request's sampling fields as SamplingParams (max_tokens set per prompt later); a 400
+        naming the field for a wrong type or value."""
+        stop: dict[str, None] = {}  # in order, each once
+        for name in ("stop", "until"):  # lm-eval's harness sends its stop strings as ``until`` too
+            value = [] if body.get(name) is None else body[name]
+            if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)):
+                raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
+            if not isinstance(value, str) and len(value) > MAX_STOP_STRINGS:
+                raise APIError(400, f"'{name}' must hold at most {MAX_STOP_STRINGS} stop strings", param=name)
+            stop.update(dict.fromkeys([value] if isinstance(value, str) else value))
+        stop = list(stop)
+        stop_ids = field(body, "stop_token_ids", list, [])
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"'stop_token_ids' must hold at most {MAX_STOP_TOKEN_IDS} token ids",
+                           param="stop_token_ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
+            raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        defaults = self.defaults
+        try:
+            return SamplingParams(
+                min_p=field(body, "min_p", float, 0.0), logit_bias=self._logit_bias(body),
+                allowed_token_ids=self._allowed_token_ids(body), bad_words_token_ids=self._bad_words(body),
+                include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False),
+                skip_special_tokens=field(body, "skip_special_tokens", bool, True),
+                temperature=(0.0 if field(body, "do_sample", bool, True) is False  # HF-style greedy
+                             else field(body, "temperature", float, defaults["temperature"])),
+                top_p=field(body, "top_p", float, defaults["top_p"]),
+                top_k=field(body, "top_k", int, defaults["top_k"]), stop=stop, stop_token_ids=stop_ids,
+                ignore_eos=field(body, "ignore_eos", bool, False), seed=field(body, "seed", int),
+                min_tokens=field(body, "min_tokens", int, 0),
+                presence_penalty=field(body, "presence_penalty", float, 0.0),
+                frequency_penalty=field(body, "frequency_penalty", float, 0.0),
+                repetition_penalty=field(body, "repetition_penalty", float, defaults["repetition_penalty"]),
+                logprobs=logprobs,
+                max_tokens=MAX_SEED)  # a placeholder bound: _fit sets each prompt's own
+        except ValueError as e:  # "SamplingParams.<field> must be ..."
+            name = str(e).removeprefix("SamplingParams.").split(" ", 1)[0]
+            name = {"bad_words_token_ids": "bad_words"}.get(name, name)
+            raise APIError(400, str(e).removeprefix("SamplingParams."), param=name) from None
+
+    def _token_id(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size
+
+    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``{"token id": bias}``: ids (decimal strings) in [0, vocab), biases in [-100, 100]."""
+        pairs = []
+        biases = field(body, "logit_bias", dict, {})
+        self.limits.check(biases, "logit_bias", "logit_bias")
+        for key, bias in biases.items():
+            token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+            if not self._token_id(token_id):
+                raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got "
+                                    f"{shown(key)}", param="logit_bias")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
+                raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {shown(bias)}",
+                               param="logit_bias")
+            pairs.append((token_id, float(bias)))
+        return tuple(pairs)
+
+    def _allowed_token_ids(self, body: dict) -> tuple[int, ...] | None:
+        allowed = field(body, "allowed_token_ids", list)
+        if allowed is not None:
+            self.limits.check(allowed, "allowed_token_ids", "allowed_token_ids")
+        if allowed is not None and not (allowed and all(map(self._token_id, allowed))):
+            raise APIError(400, f"'allowed_token_ids' must be a non-empty array of token ids in [0, {self.vocab_size})",
+                           param="allowed_token_ids")
+        return None if allowed is None else tuple(allowed)
+
+    def _bad_words(self, body: dict) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as it tokenises alone and after a space (vLLM's rule: banned at
+        the start of the text and inside it); a word that tokenises to nothing is a 400. At most
+        ``MAX_BAD_WORDS`` words of at most ``MAX_BAD_WORD_CHARS`` characters, checked before any
+        is encoded."""
+        words = field(body, "bad_words", list, [])
+        if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and len(w) <= MAX_BAD_WORD_CHARS for w in words):
+            raise APIError(400, f"'bad_words' must be an array of at most {MAX_BAD_WORDS} strings of at most "
+                                f"{MAX_BAD_WORD_CHARS} characters", param="bad_words")
+        sequences: dict[tuple[int, ...], None] = {}  # in order, each once
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if not ids:
+                    raise APIError(400, f"the bad word {shown(word)} tokenises to nothing", param="bad_words")
+                sequences[ids] = None
+        return tuple(sequences)
+
+    def _completion_prompts(self, prompt: Any, add_special_tokens: bool = False) -> list[list[int]]:
+        """A string, an array of strings, token ids or an array of token-id arrays -> token-id prompts
+        (strings encoded with the tokenizer's special tokens when ``add_special_tokens``)."""
+        def is_ids(p):
+            return isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+        if isinstance(prompt, str) or is_ids(prompt):
+            prompt = [prompt]
+        elif isinstance(prompt, list):
+            self.limits.check(prompt, "prompts", "prompt")
+        if not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                         all(is_ids(p) for p in prompt))):
+            raise APIError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
+                                "array of token-id arrays (not a mix of strings and token ids)", param="prompt")
+        for p in prompt:
+            if not isinstance(p, str) and not all(0 <= t < self.vocab_size for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return [self._encode(p, "prompt", add_special_tokens) if isinstance(p, str) else p for p in prompt]
+
+    def _render_chat(self, messages: Any, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
+        ``template_kwargs`` go to the template (``enable_thinking``, ...). Roles are OpenAI's
+        (``developer`` is rendered as ``system``); content is a string or an array of text parts
+        (null for an assistant message with tool_calls)."""
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "'messages' must be a non-empty array", param="messages")
+        self.limits.check(messages, "messages", "messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+                raise APIError(400, f"each message must be an object whose 'role' is one of "
+                                    f"{', '.join(sorted(MESSAGE_ROLES))}", param=f"messages[{i}].role")
+            content = m.get("content")
+            if isinstance(content, list):
+                self.limits.check(content, "content_parts", f"messages[{i}].content")
+                if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                    content = "".join(p["text"] for p in content)
+            if not (isinstance(content, str) or content is None and m["role"] == "assistant" and m.get("tool_calls")):
+                raise APIError(400, "a message's 'content' must be a string or an array of text parts (null for "
+                                    "an assistant message with tool_calls)", param=f"messages[{i}].content")
+            role = "system" if m["role"] == "developer" else m["role"]
+            rendered.append({**m, "role": role, "content": content})
+        template_kwargs = template_kwargs or {}
+        bad = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise APIError(400, f"'chat_template_kwargs.{bad[0]}' is set by the server", param="chat_template_kwargs")
+        if not (self.chat_template or self.tokenizer.chat_template):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                           param="messages", code="no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template(rendered, tools=tools or None, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=False, **template_kwargs)
+        except Exception as e:  # jinja2 errors, e.g. a template's raise_exception for a role order
+            raise APIError(400, f"the chat template failed: {shown(str(e), 300)}", param="messages") from None
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        """``text`` as token ids (a 400 when it cannot fit or encodes to nothing)."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's maximum context "
+                                f"length of {self.max_model_len} tokens (max_model_len) can hold",
+                           param=param, code="context_length_exceeded")
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # as LLMEngine.add_request(str)
+        if not token_ids:
+            raise APIError(400, "the prompt encodes to no tokens", param=param)
+        return token_ids
+
+    def _fit(self, prompt: list[int], params: SamplingParams, max_tokens: int | None, default: int | None,
+             param: str) -> SamplingParams:
+        """``params`` whose max_tokens fits max_model_len after ``prompt``: the requested one if it
+        fits (else a 400), or ``default`` (None: all the room) capped by the room left."""
+        n, limit = len(prompt), self.max_model_len
+        room = limit - n
+        if room < 1:
+            raise APIError(400, f"the prompt has {n} tokens; this model's maximum context length is {limit} "
+                                f"tokens (max_model_len) for prompt and completion together",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} with a prompt of {n} tokens exceeds this model's maximum "
+                                f"context length of {limit} tokens (max_model_len); at most {room} new tokens fit",
+                           param="max_tokens", code="context_length_exceeded")
+        fitted = max_tokens or min(default or room, room)
+        if params.min_tokens > fitted:
+            raise APIError(400, f"'min_tokens' ({params.min_tokens}) exceeds max_tokens ({fitted})",
+                           param="min_tokens")
+        return dataclasses.replace(params, max_tokens=fitted)
+
+    def tokenize(self, body: dict) -> list[int]:
+        """A /tokenize body, ``{"prompt": text}`` (encoded as a completion's prompt; with
+        ``add_special_tokens``) or ``{"messages": [...]}`` (rendered as a chat's), as token ids."""
+        check_fields(body, {"model", "prompt", "messages", "add_special_tokens"}, {})
+        self._check_model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
+        if "messages" in body:
+            return self._encode(self._render_chat(body["messages"]), "messages")
+        return self._encode(field(body, "prompt", str, ""), "prompt", field(body, "add_special_tokens", bool, False))
+
+    def detokenize(self, body: dict) -> str:
+        """A /detokenize body, ``{"tokens": [ids]}``, as text."""
+        check_fields(body, {"model", "tokens"}, {})
+        self._check_model(body)
+        tokens = field(body, "tokens", list, [])
+        if not all(map(self._token_id, tokens)):
+            raise APIError(400, f"'tokens' must be an array of token ids in [0, {self.vocab_size})", param="tokens")
+        return self.tokenizer.decode(tokens)
+
+    # ---- responses ---------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def logprobs_object(self, chat: bool, items: list, text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for ``items`` ((token id, logprob, [(id, logprob)]) per token):
+        chat's ``content`` list, or completions' parallel lists with ``text_offset`` from
+        ``text_offset`` on."""
+        if chat:
+            def entry(token_id, lp):
+                text = self.token_text(token_id)
+                return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                                for t, lp, top in items]}
+        tokens = [self.token_text(t) for t, _, _ in items]
+        offsets, at = [], text_offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in items],
+                "top_logprobs": [None if lp is None else {self.token_text(i): _finite(v) for i, v in [(t, lp), *top]}
+                                 for t, lp, top in items],
+                "text_offset": offsets}
+
+    def echoed_logprobs(self, prompt_token_ids: list[int], prompt_logprobs: list, n: int) -> list:
+        """The prompt's tokens as logprobs items for an echo: the first with a None logprob (no
+        alternatives), the others with their ``n`` most likely tokens."""
+        return [(prompt_token_ids[0], None, [])] + [(t, lp, top[:n]) for t, lp, top in prompt_logprobs[1:]]
+
+    def prompt_logprobs_object(self, prompt_logprobs: list, n: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first), else {token id string:
+        {"logprob", "rank", "decoded_token"}} for the token and its ``n`` most likely tokens (rank:
+        1-based among those; the token's own rank is None when it is not among them)."""
+        def entry(token_id, lp, rank):
+            return {"logprob": _finite(lp), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        out = [None]
+        for t, lp, top in prompt_logprobs[1:]:
+            ranks = {i: r for r, (i, _) in enumerate(top[:n], 1)}
+            out.append({str(t): entry(t, lp, ranks.get(t)),
+                        **{str(i): entry(i, v, ranks[i]) for i, v in top[:n] if i != t}})
+        return out
+
+    def choice(self, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        if chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta(self, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+              opening: bool = False) -> dict:
+        if not chat:
+            return self.choice(chat, index, text, finish_reason, logprobs)
+        content = {"role": "assistant", "content": ""} if opening else {"content": text} if text else {}
+        return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def head(self, chat: bool, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": kind,
+                "created": int(time.time()), "model": self.model_name}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: int = 0,
+          num_accepted_tokens: int = 0, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object, with the prompt tokens found in the prefix cache
+    (``prompt_tokens_details.cached_tokens``); with speculative decoding's drafts, OpenAI's names
+    for them (predicted outputs): ``completion_tokens_details.accepted_prediction_tokens`` /
+    ``rejected_prediction_tokens``."""
+    counts = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+              "total_tokens": num_prompt_tokens + num_completion_tokens,
+              "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    if num_draft_tokens:
+        counts["completion_tokens_details"] = {"accepted_prediction_tokens": num_accepted_tokens,
+                                               "rejected_prediction_tokens": num_draft_tokens - num_accepted_tokens}
+    return counts
+
+
+AGENT_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "response_format",
+                     "structured_outputs", "reasoning_effort")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
+
+
+def _constrained(body: dict) -> bool:
+    """The request asks to constrain its output (``response_format`` other than text, ``structured_outputs``)."""
+    return body.get("structured_outputs") is not None or body.get("response_format") not in (None, {"type": "text"})
+
+
+def _uses_agent_features(body: dict) -> bool:
+    """The chat request uses tools, a tool history, a constraint or template arguments."""
+    messages = body.get("messages")
+    history = isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+    return history or any(body.get(name) is not None for name in AGENT_CHAT_FIELDS)
+
+
+def _finite(x: float) -> float:
+    """JSON has no -Infinity: a token the model gives no probability gets the lowest float."""
+    return x if math.isfinite(x) else -3.4028234663852886e38
