@@ -3,12 +3,14 @@
 ``advise(root, report)`` names the first phase of the report that neither passed nor was
 skipped, with its failing tests and their first error lines, the failure modes they match
 (symptom, check, fix from its gate.yaml), the functions it owns that still raise
-``NotImplementedError`` (skeletons from ``gates exercise``), the contract section to read and
+``NotImplementedError`` (skeletons from ``gates exercise``; leaves first: a module after the
+handed-out modules it imports), the contract section to read and
 the command that checks it again. When every phase of the tree passed (or was skipped) it
 says so; phases the report did not run are the next thing to do.
 """
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from gates import ownership
@@ -19,13 +21,40 @@ from gates.skeleton import raising
 MESSAGE_LINES = 3
 
 
+def _engine_imports(root: Path, path: str) -> set[str]:
+    """The engine modules ``path`` imports at module level (what a stubbed module still shows)."""
+    found = set()
+    for node in ast.parse((root / path).read_text()).body:
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom):  # `from engine.x import y`: y may be a module itself
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        found |= {f for n in names if n.startswith("engine") and (f := ownership.module_file(root, n))}
+    return found
+
+
+def _leaves_first(root: Path, paths: list[str]) -> list[str]:
+    """``paths`` ordered so that a module comes after the modules of ``paths`` it imports (the ones
+    to build first: what they define is used by the others); ties, and circles, in path order."""
+    imports = {p: _engine_imports(root, p) & set(paths) - {p} for p in paths}
+    ordered: list[str] = []
+    while len(ordered) < len(paths):
+        ready = [p for p in sorted(paths) if p not in ordered and imports[p] <= set(ordered)]
+        ordered.append(ready[0] if ready else min(p for p in paths if p not in ordered))
+    return ordered
+
+
 def _unimplemented(root: Path, phase: str) -> list[dict]:
+    """The functions ``phase`` owns that still raise NotImplementedError, in an order to build them:
+    leaves first (a module after the handed-out modules it imports), then by line."""
     gates = ownership.all_gates(root)
     own = ownership.load(root, gates)
+    todo = own.functions_of({phase})
     found = []
-    for path, names in own.functions_of({phase}).items():
+    for path in _leaves_first(root, sorted(todo)):
         skeletons = raising((root / path).read_text())
-        found += [{"symbol": f"{path}::{q}", "line": skeletons[q][0]} for q in names if q in skeletons]
+        found += sorted(({"symbol": f"{path}::{q}", "line": skeletons[q][0]} for q in todo[path] if q in skeletons),
+                        key=lambda u: u["line"])
     return found
 
 
@@ -86,7 +115,8 @@ def render(advice: dict, shown: int = 10) -> str:
                    f"  fix:     {fm['fix']}")
     todo = advice["unimplemented"]
     if todo:
-        out.append(f"still raising NotImplementedError ({len(todo)} owned by phase {advice['phase']}):")
+        out.append(f"still raising NotImplementedError ({len(todo)} owned by phase {advice['phase']}, "
+                   "in an order to build them, leaves first):")
         out += [f"  {u['symbol']}  (line {u['line']})" for u in todo]
     title = advice["contract"]["title"]
     out.append(f"read: {advice['contract']['anchor']}" + (f" ({title})" if title else ""))

@@ -212,6 +212,26 @@ def test_next_names_the_phase_its_test_failure_mode_skeleton_and_contract(handed
     assert advice["contract"] == {"anchor": "blueprint/contracts.md#phase-01", "title": "Phase 01 — toy"}
 
 
+def test_next_lists_what_to_build_leaves_first(tmp_path):
+    """A phase handing out two modules, the first by name importing the second: ``gates next``
+    lists the imported module's functions first, each module's by line."""
+    root, out = tmp_path / "repo", tmp_path / "copy"
+    files = {"engine/__init__.py": "",
+             "engine/a.py": "from engine.b import inc\n\n\ndef twice_inc(x):\n    return inc(inc(x))\n",
+             "engine/b.py": "def inc(x):\n    return x + 1\n\n\ndef dec(x):\n    return x - 1\n",
+             "blueprint/contracts.md": '<a id="phase-01"></a>\n## Phase 01 — toy\n\n'}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    write_phase(root, "01", gate("01") | {"unlocks": ["engine/a.py", "engine/b.py"]},
+                {"test_a.py": "from engine.a import twice_inc\n\n\ndef test_a():\n    assert twice_inc(1) == 3\n"})
+    assert gates(root, "exercise", "--only", "01", "--out", str(out))[0] == 0
+    report = out / "gate-report.json"
+    gates(out, "run", "--report", str(report))
+    code, advice = gates(out, "next", "--report", str(report), "--json")
+    assert [u["symbol"] for u in json.loads(advice)["unimplemented"]] == [
+        "engine/b.py::inc", "engine/b.py::dec", "engine/a.py::twice_inc"]
+
 def test_next_as_text_for_a_person(handed_out):
     _, out, _, _ = handed_out
     code, text = gates(out, "next", "--report", str(out / "gate-report.json"))

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.model_source import resolve_model
-from engine.scheduling.scheduler import SchedulerSettings
-from engine.scheduling.speculative import SPECULATIVE_METHODS, NgramDrafter
 from engine.model.config import ModelConfig
 from engine.model.kernels import FP8_DTYPE, KernelSettings
 from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.model.models.dense import DenseForCausalLM
 from engine.model.models.registry import MODEL_CLASSES, default_dtype
+from engine.scheduling.scheduler import SchedulerSettings
+from engine.scheduling.speculative import SPECULATIVE_METHODS, NgramDrafter
 
 if TYPE_CHECKING:
     from engine.core.engine_args import EngineArgs

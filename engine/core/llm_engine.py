@@ -18,16 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from engine.scheduling.block_manager import BlockManager
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_config import EngineConfig
 from engine.core.output_processor import OutputProcessor, RequestOutput
 from engine.core.sampling_defaults import GREEDY, read_generation_config, sampling_defaults
-from engine.scheduling.scheduler import Scheduler
-from engine.scheduling.sequence import SamplingParams, Sequence
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
 from engine.model import kernels
 from engine.model.config import ModelConfig
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import SamplingParams, Sequence
 from engine.worker.hf_runner import HFModelRunner
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -222,8 +222,8 @@ class LLMEngine:
         """Compile ``seq``'s spec and start its grammar (rank 0; the first one builds the
         ``GrammarRows`` the runner's sampling masks with). A spec that cannot be compiled raises
         its ``StructuredOutputError`` on every rank (rank 0's message is broadcast)."""
-        from engine.scheduling.structured.spec import StructuredOutputError
         from engine.distributed import broadcast_object
+        from engine.scheduling.structured.spec import StructuredOutputError
         from engine.worker.grammar_rows import GrammarRows
 
         error = None

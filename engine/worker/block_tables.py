@@ -6,8 +6,8 @@ from itertools import chain
 
 import torch
 
-from engine.scheduling.sequence import Sequence
 from engine.model.attention_context import cache_slots
+from engine.scheduling.sequence import Sequence
 from engine.worker.forward_batch import to_device
 
 

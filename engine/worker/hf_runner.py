@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.scheduling.scheduler import ScheduledBatch
-from engine.scheduling.sequence import Sequence
 from engine.distributed import TPGroup
 from engine.model.layers.sampler import Sampler
+from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.sequence import Sequence
 from engine.worker.model_runner import LaunchedStep, unique_parameter_bytes
 
 if TYPE_CHECKING:

@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.scheduling.scheduler import ScheduledBatch
-from engine.scheduling.sequence import Sequence
 from engine.distributed import TPGroup, broadcast_object
 from engine.model.attention_context import AttentionContext, forward_context
 from engine.model.layers.sampler import Sampler
 from engine.model.loader import load_checkpoint
 from engine.model.models.registry import build_model
+from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.sequence import Sequence
 from engine.worker.block_tables import BlockTables
 from engine.worker.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
 from engine.worker.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks

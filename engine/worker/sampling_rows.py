@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.model.layers.sampler import Sampler
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
-from engine.model.layers.sampler import Sampler
 from engine.worker.forward_batch import to_device, to_device_packed
 
 if TYPE_CHECKING:

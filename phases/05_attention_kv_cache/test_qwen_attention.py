@@ -152,3 +152,30 @@ def test_batch_reuses_prefix_blocks_another_sequence_writes_in_the_same_step():
         want_second = hf_attention_reference(hf_attn, rotary, second)
     assert_close(out[:20], want_first, 1e-4, "attention output", "the sequence writing the shared block")
     assert_close(out[20:], want_second[16:], 1e-4, "attention output", "the sequence reusing the shared block")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.update({"m.o_proj.bias": torch.zeros(4)}), "'m.o_proj.bias' matches no model parameter"),
+    (lambda t: t.pop("m.k_proj.weight"), r"no tensor for parameter\(s\): m.qkv_proj.weight \(shards \['k'\]\)"),
+    (lambda t: t.pop("m.q_norm.weight"), r"no tensor for parameter\(s\): m.q_norm.weight"),
+    (lambda t: t.update({"m.q_norm.weight": torch.ones(3)}), "'m.q_norm.weight': shape \\(3,\\) does not match"),
+], ids=["unknown", "missing-shard", "missing", "shape"])
+def test_load_weights_uses_every_tensor_and_fills_every_parameter(edit, message):
+    """load_weights (contract: blueprint/contracts.md#phase-05) on the attention layer: HF's separate
+    q/k/v tensors fill the packed QKV parameter; a tensor matching no parameter, a missing shard or
+    parameter, or a wrong shape is a ValueError naming the key."""
+    from torch import nn
+
+    from engine.model.loader import load_weights
+
+    _, hf_attn, _ = hf_attention("Qwen3ForCausalLM", seed=3)
+    tensors = {"m." + n: p.detach() for n, p in hf_attn.named_parameters()}
+    holder = nn.Module()
+    holder.packed_modules, holder.m = DenseForCausalLM.packed_modules, GQAAttention(
+        engine_config("Qwen3ForCausalLM"), TPGroup())
+    load_weights(holder, dict(tensors).items(), progress=False)
+    q, k, v = (tensors[f"m.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(holder.m.qkv_proj.weight, torch.cat([q, k, v]))
+    edit(tensors)
+    with pytest.raises(ValueError, match=message):
+        load_weights(holder, tensors.items(), progress=False)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.distributed import TPGroup
 from engine.model import loader
-from engine.model.config import DeepseekConfig, ModelConfig
+from engine.model.config import ModelConfig
 from engine.model.loader import load_checkpoint
 from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.model.models.registry import creating_in
@@ -70,63 +70,6 @@ def test_deepseek_layers_are_dense_then_moe_and_cache_one_latent(tiny_checkpoint
     assert kinds == [False] + [True] * (model.config.num_hidden_layers - 1)
     width = ds.kv_lora_rank + ds.qk_rope_head_dim
     assert kv_bytes_per_token(model, torch.bfloat16) == model.config.num_hidden_layers * width * 2
-
-
-PUBLISHED_V2 = {  # DeepSeek-V2's config.json as published (MoE/MLA keys)
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
-    "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 60,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 160,
-    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3, "norm_topk_prob": False,
-    "routed_scaling_factor": 16.0, "scoring_func": "softmax", "torch_dtype": "bfloat16",
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
-                     "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-}
-
-
-def transformers5_form(cfg):
-    """The same config as transformers 5 writes it: rope_parameters, dtype, no scoring_func."""
-    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype", "scoring_func")}
-    out["rope_parameters"] = {**cfg["rope_scaling"], "rope_type": cfg["rope_scaling"]["type"],
-                              "rope_theta": cfg["rope_theta"]}
-    out["dtype"] = cfg["torch_dtype"]
-    return out
-
-
-def test_published_deepseek_v2_config():
-    config = ModelConfig.from_dict(PUBLISHED_V2)
-    ds = DeepseekConfig.from_model_config(config)
-    assert (ds.q_lora_rank, ds.kv_lora_rank, ds.qk_nope_head_dim, ds.qk_rope_head_dim, ds.v_head_dim) == (
-        1536, 512, 128, 64, 128)
-    assert (ds.n_routed_experts, ds.num_experts_per_tok, ds.n_shared_experts, ds.moe_intermediate_size) == (
-        160, 6, 2, 1536)
-    assert (ds.scoring_func, ds.topk_method, ds.n_group, ds.topk_group) == ("softmax", "group_limited_greedy", 8, 3)
-    assert ds.routed_scaling_factor == 16.0 and not ds.norm_topk_prob and ds.rope_interleave
-    assert [ds.is_moe_layer(i) for i in range(3)] == [False, True, True]
-    assert config.rope_scaling["factor"] == 40 and config.rope_theta == 10000
-
-
-@pytest.mark.parametrize("arch,extra,want", [
-    ("DeepseekV2ForCausalLM", {}, ("softmax", "group_limited_greedy")),
-    ("DeepseekV3ForCausalLM", {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-                               "routed_scaling_factor": 2.5, "n_routed_experts": 256, "n_group": 8,
-                               "topk_group": 4}, ("sigmoid", "noaux_tc")),
-])
-def test_deepseek_transformers5_form_reads_the_same(arch, extra, want):
-    published = {**PUBLISHED_V2, **extra, "architectures": [arch]}
-    a, b = ModelConfig.from_dict(published), ModelConfig.from_dict(transformers5_form(published))
-    ds_a, ds_b = DeepseekConfig.from_model_config(a), DeepseekConfig.from_model_config(b)
-    assert ds_a == ds_b and (ds_a.scoring_func, ds_a.topk_method) == want
-    assert (a.rope_theta, a.torch_dtype) == (b.rope_theta, b.torch_dtype)
-    assert {k: v for k, v in b.rope_scaling.items() if k != "rope_type"} == a.rope_scaling
-
-
-def test_v3_without_routing_keys_defaults_to_sigmoid_noaux_tc():
-    cfg = {k: v for k, v in PUBLISHED_V2.items() if k not in ("topk_method", "scoring_func")}
-    ds = DeepseekConfig.from_model_config(ModelConfig.from_dict({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
-    assert (ds.scoring_func, ds.topk_method) == ("sigmoid", "noaux_tc")
 
 
 def rewrite(model_dir, edit):

@@ -22,8 +22,8 @@ def test_qwen3_8b_engine_follows_transformers_and_reports_decode_speed(tmp_path)
     import transformers
 
     from engine.core.llm_engine import LLMEngine
-    from engine.scheduling.sequence import SamplingParams
     from engine.model.models.registry import creating_in
+    from engine.scheduling.sequence import SamplingParams
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**QWEN3_8B)

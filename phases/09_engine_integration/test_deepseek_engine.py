@@ -4,8 +4,8 @@ latent paged cache."""
 import pytest
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.model.layers.mla import MultiHeadLatentAttention
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import V2_LITE, make_tiny_checkpoint
 

@@ -5,8 +5,8 @@ import pytest
 import torch.distributed as dist
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.model.layers.sampler import Sampler
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 
 MAX_NEW = 10

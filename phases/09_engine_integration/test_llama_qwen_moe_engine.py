@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.model.models.registry import MODEL_CLASSES
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import VOCAB, assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
 from phases.harness import assert_no_host_sync_and_no_copies

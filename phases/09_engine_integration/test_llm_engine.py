@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.model.models.dense import DenseForCausalLM
+from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, hf_greedy, prompts_with_shared_prefix
 from phases.checkpoints import make_tiny_checkpoint
 

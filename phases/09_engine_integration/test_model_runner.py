@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.model.attention_context import forward_context
+from engine.scheduling.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 from phases.harness import assert_no_host_sync_and_no_copies, count_step
 

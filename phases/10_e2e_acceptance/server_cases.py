@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from engine.core.engine_config import DEFAULT_MODEL_DIR
+from engine.core.lockstep import mirror_rank0
 from engine.entrypoints.server.app import OpenAIServer
-from engine.entrypoints.server.engine_loop import EngineLoop, mirror_rank0
+from engine.entrypoints.server.engine_loop import EngineLoop
 from engine.entrypoints.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 

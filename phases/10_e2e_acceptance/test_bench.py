@@ -100,8 +100,8 @@ def test_random_weights_are_hf_weights(preset):
     loaded, DeepSeek's per-expert tensors included: the loader refuses a missing one)."""
     import argparse
 
-    from engine.scheduling.sequence import SamplingParams
     from engine.entrypoints.bench.models import hf_model, open_engine
+    from engine.scheduling.sequence import SamplingParams
 
     args = argparse.Namespace(**vars(EngineArgs(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=128,
                                                 device="cpu")), preset=preset, seed=5)

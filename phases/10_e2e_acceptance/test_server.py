@@ -434,7 +434,7 @@ def test_a_failed_step_is_fatal_under_tensor_parallelism():
     stopping every rank is safe (a peer may be spinning in a captured all-reduce)."""
     from types import SimpleNamespace
 
-    from engine.entrypoints.server.engine_loop import run_step
+    from engine.core.lockstep import run_step
 
     def failing_step():
         raise RuntimeError("boom")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.entrypoints.server.metrics import ServerMetrics
+from engine.scheduling.sequence import SamplingParams
 from server_cases import PROMPTS, assert_error_object, http, make_word_checkpoint, metrics, running_server, wait_idle
 
 aiohttp = pytest.importorskip("aiohttp")

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.distributed import all_reduce_path
+from engine.scheduling.sequence import SamplingParams
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.cuda]
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.distributed import TPGroup
 from engine.model.config import ModelConfig
 from engine.model.layers.linear import UNQUANTIZED
 from engine.model.loader import load_checkpoint
 from engine.model.models.registry import build_model
+from engine.scheduling.sequence import SamplingParams
 from fp8_oracle import (
     W8A8,
     assert_w8a8_rows,

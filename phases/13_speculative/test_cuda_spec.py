@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.entrypoints.bench.spec import edit_workload
+from engine.scheduling.sequence import SamplingParams
 
 
 @pytest.mark.cuda

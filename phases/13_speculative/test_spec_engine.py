@@ -14,8 +14,8 @@ import spec_cases as cases
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.core.llm_engine import LLMEngine
-from engine.scheduling.sequence import SamplingParams
 from engine.entrypoints.bench.spec import edit_workload
+from engine.scheduling.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 from spec_cases import SPEC, VOCAB, assert_no_block_leaks, expected_runs, repeating_prompts, run, shrink_kv_pool
 

@@ -21,8 +21,8 @@ import pytest
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.core.llm_engine import LLMEngine, load_tokenizer
-from engine.scheduling.sequence import SamplingParams
 from engine.entrypoints.server.tool_parsers import tool_parser
+from engine.scheduling.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
 
 server_cases = importlib.import_module("phases.10_e2e_acceptance.server_cases")

@@ -627,9 +627,9 @@ def test_a_forced_tool_call_parses_and_validates(compiler, tokenizer, eos, parse
     prefix, the call object's schema, its suffix) makes every output one call that the same
     parser reads whole, naming a tool of the request, its arguments valid for its parameters."""
     from agent_cases import TOOLS
-    from engine.scheduling.structured.spec import tool_call_spec
     from engine.entrypoints.server.tool_parsers import tool_parser
     from engine.entrypoints.server.tools import call_schema, validate_tools
+    from engine.scheduling.structured.spec import tool_call_spec
 
     body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
             "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}}

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from engine.entrypoints.bench.offline import random_prompt
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import SamplingParams
-from engine.entrypoints.bench.offline import random_prompt
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 

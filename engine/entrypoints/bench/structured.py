@@ -100,9 +100,9 @@ def validate(workload: str, result) -> str | None:
 def workload_spec(workload: str, architecture: str):
     """The ``StructuredSpec`` the server compiles for the workload's constrained requests (for
     tools, as ``OpenAIProtocol`` builds it with the architecture's default tool-call parser)."""
-    from engine.scheduling.structured.spec import spec_from_request, tool_call_spec
     from engine.entrypoints.server.tool_parsers import default_tool_parser, tool_parser
     from engine.entrypoints.server.tools import call_schema, validate_tools
+    from engine.scheduling.structured.spec import spec_from_request, tool_call_spec
 
     if workload == "json_schema":
         return spec_from_request({"response_format": RESPONSE_FORMAT})

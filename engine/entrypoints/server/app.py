@@ -48,17 +48,18 @@ from aiohttp import web
 
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
+from engine.core.lockstep import mirror_rank0
 from engine.core.output_processor import RequestOutput
-from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 from engine.entrypoints.server import anthropic, reasoning, responses
 from engine.entrypoints.server.access import api_key_middleware, cors_middleware, ssl_context
 from engine.entrypoints.server.chat_output import ChatParsing, ChatStream
-from engine.entrypoints.server.engine_loop import EngineLoop, mirror_rank0
+from engine.entrypoints.server.engine_loop import EngineLoop
 from engine.entrypoints.server.generation import Generation, sse_response
 from engine.entrypoints.server.metrics import ServerMetrics
 from engine.entrypoints.server.protocol import GenerationRequest, OpenAIProtocol
 from engine.entrypoints.server.request_body import APIError, RequestLimits, check_content_type, parse_json
 from engine.entrypoints.server.tool_parsers import tool_parser
+from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 
 log = logging.getLogger("engine.entrypoints.server")
 

@@ -1,4 +1,4 @@
-"""The one thread that calls the engine, the TP lock-step protocol, the error policy and draining.
+"""The one thread that calls the engine (rank 0 of the core's TP lock-step), the error policy and draining.
 
 HTTP handlers ``submit`` and ``abort`` streams from their own thread. Between steps the engine
 thread adds and aborts what they queued, steps while there is work, and posts each stream's
@@ -7,10 +7,9 @@ new text, new logprobs, the finish); a stream keeps only what its reader has not
 slow reader costs O(its text) and never stalls the loop. A finished request is forgotten by the
 engine at once.
 
-Under torchrun rank 0 serves HTTP: every iteration it sends the other ranks a two-int header
-(payload bytes, stop) over gloo and, only when there are commands, their pickled payload; every
-rank then adds, aborts and steps the same requests in the same order (request ids are counters,
-identical on every rank). The other ranks only mirror (``mirror_rank0``).
+Under torchrun rank 0 serves HTTP and leads the core's lock-step (``engine.core.lockstep``): every
+iteration it sends the other ranks its adds and aborts, and every rank applies them and steps in
+the same order; the other ranks only follow (``mirror_rank0``).
 
 Error policy: in one process a step that raises fails the requests of the steps in flight (an
 error answer each; the engine goes on), so a request that breaks a step harms only its batch. Steps
@@ -30,15 +29,15 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import pickle
 import queue
 import threading
 import time
 from typing import Any, Callable
 
+from engine.core.lockstep import apply_commands, run_step, send_commands
 from engine.core.output_processor import RequestOutput
-from engine.scheduling.sequence import SamplingParams
 from engine.entrypoints.server.metrics import ServerMetrics
+from engine.scheduling.sequence import SamplingParams
 
 log = logging.getLogger("engine.entrypoints.server")
 
@@ -91,86 +90,6 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     logprobs = then.logprobs if first.logprobs is None else first.logprobs + (then.logprobs or [])
     return dataclasses.replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
                                logprobs=logprobs)
-
-
-def _send_commands(commands: list[tuple], stop: bool) -> None:
-    """Rank 0: the header to every other rank, then the pickled commands when there are any."""
-    import torch
-    import torch.distributed as dist
-
-    from engine.distributed import get_tp_group
-
-    tp = get_tp_group()
-    if tp.size == 1:
-        return
-    payload = pickle.dumps(commands) if commands else b""
-    dist.broadcast(torch.tensor([len(payload), int(stop)], dtype=torch.int64), group=tp.group, group_src=0)
-    if payload:
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group=tp.group, group_src=0)
-
-
-def _receive_commands() -> tuple[list[tuple], bool]:
-    """Another rank: rank 0's commands and stop flag."""
-    import torch
-    import torch.distributed as dist
-
-    from engine.distributed import get_tp_group
-
-    tp = get_tp_group()
-    header = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(header, group=tp.group, group_src=0)
-    size, stop = header.tolist()
-    if not size:
-        return [], bool(stop)
-    payload = torch.empty(size, dtype=torch.uint8)
-    dist.broadcast(payload, group=tp.group, group_src=0)
-    return pickle.loads(payload.numpy().tobytes()), bool(stop)
-
-
-def _apply(engine, commands: list[tuple]) -> list[str | None]:
-    """Run commands, ``("add", token_ids, params)`` or ``("abort", request_id)``, on this rank's
-    engine; returns each add's request id (None when the engine refused it)."""
-    request_ids = []
-    for command in commands:
-        if command[0] == "add":
-            try:
-                request_ids.append(engine.add_request(command[1], command[2]))
-            except Exception:
-                log.exception("the engine refused a request")
-                request_ids.append(None)
-        else:
-            engine.abort_request(command[1])
-    return request_ids
-
-
-def run_step(engine) -> str | None:
-    """One ``engine.step()``; an error message when it raised (the engine has then finished the
-    requests of the steps in flight with "error"). Under TP a failed step is re-raised: fatal."""
-    try:
-        engine.step()
-        return None
-    except Exception as e:
-        log.exception("engine step failed")
-        if engine.tp.size > 1:
-            raise
-        return f"the engine failed on this request: {type(e).__name__}: {e}"
-
-
-def mirror_rank0(engine) -> None:
-    """A worker rank's loop: run rank 0's commands and steps until its stop. Any thread may run
-    it: it makes the engine's device current first. A failed step raises (fatal under TP)."""
-    if engine.device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(engine.device)  # a new thread starts on cuda:0, whatever its rank's GPU
-    while True:
-        commands, stop = _receive_commands()
-        _apply(engine, commands)
-        if stop:
-            return
-        if commands or engine.has_unfinished_requests():
-            for output in engine.step():  # aborted and rejected ones included
-                engine.pop_request(output.request_id)
 
 
 class EngineLoop:
@@ -261,7 +180,7 @@ class EngineLoop:
         """The stop to the other ranks, unless a step failed (a peer may wait in another collective)."""
         if not self._stop_sent and not self._failed_in_step:
             self._stop_sent = True
-            _send_commands([], True)
+            send_commands([], True)
 
     def _run(self) -> None:
         engine = self.engine
@@ -273,8 +192,8 @@ class EngineLoop:
             while True:
                 commands, streams, stop = self.take_commands()
                 self._stop_sent = stop
-                _send_commands(commands, stop)
-                for stream, request_id in zip(streams, _apply(engine, commands)):
+                send_commands(commands, stop)
+                for stream, request_id in zip(streams, apply_commands(engine, commands)):
                     if request_id is None:
                         stream.end("error", "the engine refused the request")
                     else:

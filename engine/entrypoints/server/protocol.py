@@ -48,15 +48,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.sampling_defaults import OPENAI, sampling_defaults
-from engine.scheduling.sequence import (
-    MAX_BAD_WORDS,
-    MAX_LOGPROBS,
-    MAX_SEED,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-)
-from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 from engine.entrypoints.server.chat_output import ChatParsing
 from engine.entrypoints.server.request_body import APIError, RequestLimits, bounded_int, check_fields, field, shown
 from engine.entrypoints.server.tool_parsers import default_tool_parser, tool_parser
@@ -67,6 +58,15 @@ from engine.entrypoints.server.tools import (
     messages_for_template,
     validate_tools,
 )
+from engine.scheduling.sequence import (
+    MAX_BAD_WORDS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
 log = logging.getLogger(__name__)
 
