@@ -29,7 +29,8 @@ from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import SamplingParams, Sequence
 from engine.worker.hf_runner import HFModelRunner
-from engine.worker.model_runner import LaunchedStep, ModelRunner
+from engine.worker.model_runner import ModelRunner
+from engine.worker.runner import LaunchedStep, Runner
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class LLMEngine:
         if drafter is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
                      "overlap is off")
-        self.runner = (ModelRunner(c, self.tp, self.eos_token_ids) if c.model.model_class is not None
+        self.runner: Runner = (ModelRunner(c, self.tp, self.eos_token_ids) if c.model.model_class is not None
                        else HFModelRunner(c, self.tp))
         self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
         self.scheduler = Scheduler(c.scheduler, self.block_manager, self.eos_token_ids, drafter, self._release)

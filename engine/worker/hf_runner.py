@@ -16,15 +16,16 @@ from engine.distributed import TPGroup
 from engine.model.layers.sampler import Sampler
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
-from engine.worker.model_runner import LaunchedStep, unique_parameter_bytes
+from engine.worker.runner import LaunchedStep, unique_parameter_bytes
 
 if TYPE_CHECKING:
     from engine.core.engine_config import EngineConfig
 
 
 class HFModelRunner:
-    """Same interface as ``ModelRunner``: ``launch(batch) -> LaunchedStep``, ``release(seq)``, ``held``,
-    ``num_blocks`` (here only a token budget for the scheduler: ``max_num_seqs x max_model_len``).
+    """A ``Runner`` (``engine.worker.runner``) like ``ModelRunner``: ``launch(batch) -> LaunchedStep``,
+    ``release(seq)``, ``held``, ``num_blocks`` (here only a token budget for the scheduler:
+    ``max_num_seqs x max_model_len``).
 
     Each step feeds a sequence its scheduled tokens (a whole prompt, a prefill chunk, or the
     decode token) on top of its own transformers cache; ``release`` drops that cache, so a

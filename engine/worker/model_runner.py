@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.distributed import TPGroup, broadcast_object
 from engine.model.attention_context import AttentionContext, forward_context
@@ -55,12 +54,11 @@ from engine.worker.forward_batch import DecodeInputs, ForwardBatch, to_device_pa
 from engine.worker.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.worker.piecewise_graphs import PiecewiseGraphs, prefill_graph_sizes
 from engine.worker.prompt_logprobs import (
-    PromptLogprobsPlan,
     gather_prompt_logprobs,
     plan_prompt_logprobs,
-    read_prompt_logprobs,
 )
-from engine.worker.sampling_rows import SamplingPlan, SamplingRows, StepLogprobs
+from engine.worker.runner import LaunchedStep, unique_parameter_bytes
+from engine.worker.sampling_rows import SamplingPlan, SamplingRows
 
 if TYPE_CHECKING:
     from engine.core.engine_config import EngineConfig
@@ -69,70 +67,6 @@ if TYPE_CHECKING:
 def graph_batch_sizes(limit: int) -> list[int]:
     """The captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16, up to ``limit``."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, limit + 1, 16), limit) if b <= limit})
-
-
-def unique_parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-class LaunchedStep:
-    """A batch whose forward and sampling are queued on the device. ``sampled_ids``: int64
-    ``[batch.num_logits_rows]`` on the device, one id per batch entry (meaningless for an entry
-    that does not sample), then one per drafted token (the token sampled after it), the logprobs
-    of the requests that asked for them and the ``prompt_logprobs`` of its ``prompt_plan`` (the
-    tensors of ``gather_prompt_logprobs``). On CUDA all start towards pinned host memory at once
-    (non-blocking, an event records the copies); ``token_ids()``, ``logprobs()`` and
-    ``prompt_logprobs()`` wait for them."""
-
-    def __init__(self, batch: ScheduledBatch, sampled_ids: torch.Tensor, logprobs: StepLogprobs | None = None,
-                 prompt_plan: PromptLogprobsPlan | None = None, prompt_logprobs: list[torch.Tensor] | None = None):
-        self.batch, self.sampled_ids, self._logprobs, self._prompt_plan = batch, sampled_ids, logprobs, prompt_plan
-        self._index_of: dict[str, int] | None = None
-        self._host, self._copied = [sampled_ids], None
-        if logprobs is not None:
-            self._host += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
-        self._num_prompt = len(prompt_logprobs or ())
-        self._host += prompt_logprobs or []
-        if sampled_ids.is_cuda:
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                          for t in self._host]
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(sampled_ids.device))
-
-    def _wait(self) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-
-    def token_ids(self) -> list[int]:
-        """The sampled ids on the host (waits for the step and the copy)."""
-        self._wait()
-        return self._host[0].tolist()
-
-    def logprobs(self) -> dict[str, tuple[float, list[tuple[int, float]]]]:
-        """Request id -> (the sampled token's logprob, [(token id, logprob)] of the most likely
-        tokens, most likely first), for the requests that asked."""
-        if self._logprobs is None:
-            return {}
-        self._wait()
-        chosen, values, ids = (t.tolist() for t in self._host[1:4])
-        seqs = [self.batch.seqs[row] for row in self._logprobs.rows]  # an entry's logits row is its index
-        return {seq.request_id: (c, list(zip(i[:seq.sampling_params.logprobs], v[:seq.sampling_params.logprobs])))
-                for seq, c, v, i in zip(seqs, chosen, values, ids)}
-
-    def prompt_logprobs(self) -> dict[str, tuple[int, list]]:
-        """Request id -> (first target position, [(token id, logprob, [(token id, logprob)])] per
-        target) of the prompt logprobs this step computed (``read_prompt_logprobs``; rank 0)."""
-        if not self._num_prompt:
-            return {}
-        self._wait()
-        return read_prompt_logprobs(self._prompt_plan, self._host[-self._num_prompt:])
-
-    @property
-    def index_of(self) -> dict[str, int]:
-        """Request id -> its entry in the batch."""
-        if self._index_of is None:
-            self._index_of = {seq.request_id: i for i, seq in enumerate(self.batch.seqs)}
-        return self._index_of
 
 
 class ModelRunner:

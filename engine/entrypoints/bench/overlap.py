@@ -21,7 +21,8 @@ import torch
 from engine.entrypoints.bench.offline import random_prompt
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import SamplingParams
-from engine.worker.model_runner import LaunchedStep, ModelRunner
+from engine.worker.model_runner import ModelRunner
+from engine.worker.runner import LaunchedStep
 
 
 class SimulatedStep(LaunchedStep):
