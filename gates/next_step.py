@@ -10,7 +10,6 @@ says so; phases the report did not run are the next thing to do.
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from gates import ownership
@@ -21,22 +20,11 @@ from gates.skeleton import raising
 MESSAGE_LINES = 3
 
 
-def _engine_imports(root: Path, path: str) -> set[str]:
-    """The engine modules ``path`` imports at module level (what a stubbed module still shows)."""
-    found = set()
-    for node in ast.parse((root / path).read_text()).body:
-        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-            [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        if isinstance(node, ast.ImportFrom):  # `from engine.x import y`: y may be a module itself
-            names += [f"{node.module}.{a.name}" for a in node.names]
-        found |= {f for n in names if n.startswith("engine") and (f := ownership.module_file(root, n))}
-    return found
-
-
-def _leaves_first(root: Path, paths: list[str]) -> list[str]:
-    """``paths`` ordered so that a module comes after the modules of ``paths`` it imports (the ones
-    to build first: what they define is used by the others); ties, and circles, in path order."""
-    imports = {p: _engine_imports(root, p) & set(paths) - {p} for p in paths}
+def _leaves_first(root: Path, own: ownership.Ownership, paths: list[str]) -> list[str]:
+    """``paths`` ordered so that a module comes after the modules of ``paths`` it imports at its top
+    level (what a stubbed module still shows; the ones to build first: what they define is used by
+    the others); ties, and circles, in path order."""
+    imports = {p: ownership.module_imports(root, own, p) & set(paths) - {p} for p in paths}
     ordered: list[str] = []
     while len(ordered) < len(paths):
         ready = [p for p in sorted(paths) if p not in ordered and imports[p] <= set(ordered)]
@@ -51,7 +39,7 @@ def _unimplemented(root: Path, phase: str) -> list[dict]:
     own = ownership.load(root, gates)
     todo = own.functions_of({phase})
     found = []
-    for path in _leaves_first(root, sorted(todo)):
+    for path in _leaves_first(root, own, sorted(todo)):
         skeletons = raising((root / path).read_text())
         found += sorted(({"symbol": f"{path}::{q}", "line": skeletons[q][0]} for q in todo[path] if q in skeletons),
                         key=lambda u: u["line"])

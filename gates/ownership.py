@@ -227,7 +227,7 @@ def _dotted(path: str) -> str:
     return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
-def module_file(root: Path, dotted: str) -> str | None:
+def _module_file(root: Path, dotted: str) -> str | None:
     """``engine.x.y`` -> ``engine/x/y.py`` or ``engine/x/y/__init__.py`` (None: no such module)."""
     base = dotted.replace(".", "/")
     return next((c for c in (f"{base}.py", f"{base}/__init__.py") if (root / c).is_file()), None)
@@ -265,20 +265,26 @@ class _Names:
         return bound
 
     def _resolve(self, dotted: str, name: str | None) -> Target | None:
-        sub = module_file(self.root, f"{dotted}.{name}") if name else module_file(self.root, dotted)
+        sub = _module_file(self.root, f"{dotted}.{name}") if name else _module_file(self.root, dotted)
         if sub is not None:
             return (sub, "")
-        path = module_file(self.root, dotted)
+        path = _module_file(self.root, dotted)
         if path is None or path not in self.modules:
             return None
         return (path, name) if name in self.modules[path].defs else (path, "")
 
     def attribute(self, module: str, attr: str) -> Target:
         """``module.attr`` for a name bound to ``module``: a submodule, a top-level symbol, or its code."""
-        sub = module_file(self.root, f"{_dotted(module)}.{attr}")
+        sub = _module_file(self.root, f"{_dotted(module)}.{attr}")
         if sub is not None:
             return (sub, "")
         return (module, attr) if module in self.modules and attr in self.modules[module].defs else (module, "")
+
+
+def module_imports(root: Path, own: Ownership, path: str) -> set[str]:
+    """The engine modules that module ``path``'s top-level imports reach (the module of each name)."""
+    names = _Names(root, own.modules, path)
+    return {target[0] for target in names.imports(own.modules[path].tree.body, bind=False).values()}
 
 
 class _References(ast.NodeVisitor):

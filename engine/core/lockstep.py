@@ -1,11 +1,12 @@
 """The tensor-parallel lock-step: how every rank's engine runs the same requests in the same steps.
 
-Rank 0 decides (it adds and aborts requests, from a server, ``generate`` or a benchmark) and, every
-iteration, sends the other ranks a two-int header over the TP group (payload bytes, stop) and, only
-when there are commands, their pickled payload: ``("add", token_ids, params)`` or ``("abort",
+Rank 0 decides (the server's engine loop: only rank 0 hears requests) and, every iteration, sends
+the other ranks a two-int header over the TP group (payload bytes, stop) and, only when there are
+commands, their pickled payload: ``("add", token_ids, params)`` or ``("abort",
 request_id)``. Every rank then applies the same commands in the same order (request ids are
 counters, identical on every rank) and steps; the other ranks only follow (``mirror_rank0``), so
-rank 0's collectives always meet theirs. ``send_commands`` is a no-op in one process.
+rank 0's collectives always meet theirs. ``send_commands`` is a no-op in one process. (``generate``
+and the benchmarks need no leader: every rank makes the same calls.)
 
 Error policy (``run_step``): in one process a step that raises fails the requests of the steps in
 flight and the engine goes on; under TP it is re-raised, fatal, because the rank that raised missed
@@ -16,16 +17,16 @@ from __future__ import annotations
 import logging
 import pickle
 
+import torch
+import torch.distributed as dist
+
+from engine.distributed import get_tp_group
+
 log = logging.getLogger("engine.core.lockstep")
 
 
 def send_commands(commands: list[tuple], stop: bool) -> None:
     """Rank 0: the header to every other rank, then the pickled commands when there are any."""
-    import torch
-    import torch.distributed as dist
-
-    from engine.distributed import get_tp_group
-
     tp = get_tp_group()
     if tp.size == 1:
         return
@@ -37,11 +38,6 @@ def send_commands(commands: list[tuple], stop: bool) -> None:
 
 def receive_commands() -> tuple[list[tuple], bool]:
     """Another rank: rank 0's commands and stop flag."""
-    import torch
-    import torch.distributed as dist
-
-    from engine.distributed import get_tp_group
-
     tp = get_tp_group()
     header = torch.zeros(2, dtype=torch.int64)
     dist.broadcast(header, group=tp.group, group_src=0)
@@ -86,8 +82,6 @@ def mirror_rank0(engine) -> None:
     """A worker rank's loop: run rank 0's commands and steps until its stop. Any thread may run
     it: it makes the engine's device current first. A failed step raises (fatal under TP)."""
     if engine.device.type == "cuda":
-        import torch
-
         torch.cuda.set_device(engine.device)  # a new thread starts on cuda:0, whatever its rank's GPU
     while True:
         commands, stop = receive_commands()
