@@ -5,8 +5,6 @@ Outputs are allocated inside the ops, so the calls run with poisoned allocations
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -41,18 +39,19 @@ def within_budget(lengths: list[int], budget: int) -> list[int]:
     return kept
 
 
-def varlen_case(target, max_seqs: int, max_tokens: int):
+def varlen_case(target, max_seqs: int, max_tokens: int, kv_heads=(1, 2, 4), ratios=(1, 2, 4, 8)):
     def build(lengths_dims):
         q_lens, cached, kv_heads, ratio, dims, causal, seed = lengths_dims
         return q_lens, cached[: len(q_lens)], kv_heads, ratio, dims, causal, seed
     lens = st.lists(st.integers(1, max_tokens), min_size=1, max_size=max_seqs).map(
         lambda n: within_budget(n, max_tokens))
     prefix = st.lists(st.sampled_from([0, 0, 1, 17, 64]), min_size=max_seqs, max_size=max_seqs)
-    return st.tuples(lens, prefix, st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]), HEAD_DIMS,
+    return st.tuples(lens, prefix, st.sampled_from(kv_heads), st.sampled_from(ratios), HEAD_DIMS,
                      st.booleans(), SEEDS).map(build)
 
 
-def run_varlen(target, attention):
+def run_varlen(target, attention, **heads):
+    """``heads``: ``kv_heads`` / ``ratios`` to draw from (``varlen_case``'s defaults: GQA 1 to 8)."""
     def check(case):
         q_lens, cached, kv_heads, ratio, (head_dim, v_dim), causal, seed = case
         gen = torch.Generator().manual_seed(seed)
@@ -72,7 +71,7 @@ def run_varlen(target, attention):
 
     # causal with cached prefixes (bottom-right alignment), GQA, and MLA's 192/128 head dims
     must = [([5, 3], [17, 0], 2, 4, (64, 64), True, 1), ([4, 6], [1, 9], 1, 2, (192, 128), True, 2)]
-    run_cases(target, varlen_case(target, 4, min(300, target.max_tokens * 2)), check, must)
+    run_cases(target, varlen_case(target, 4, min(300, target.max_tokens * 2), **heads), check, must)
 
 
 def test_varlen_attention_matches_float64(target):
@@ -86,27 +85,6 @@ def test_cuda_triton_varlen_kernel_matches_float64():
     from engine.model.kernels.triton.prefill_attention import flash_varlen_attention
 
     run_varlen(next(p.values[0] for p in TARGETS if p.id == "triton-cuda"), flash_varlen_attention)
-
-
-@pytest.mark.parametrize("shape", [(16, 16), (32, 16), (16, 32), (128, 64), (128, 128)])
-def test_varlen_kernel_launch_shapes(target, shape):
-    """The Triton prefill kernel at each launch shape it may take: key tiles wholly visible to a query
-    block skip the mask, the diagonal ones keep it, query blocks run from the last (the interpreter
-    takes the small tiles on longer sequences than its usual draw, so every block kind is met)."""
-    if target.module != "engine.model.kernels.triton":
-        pytest.skip("the Triton kernel's own launch shapes")
-    from engine.model.kernels.triton.prefill_attention import PrefillLaunch, flash_varlen_attention
-
-    block_m, block_n = shape
-    if target.device == "cpu" and block_m > 32:
-        pytest.skip("large tiles run on the GPU (the interpreter is one program at a time)")
-    def attention(q, *args):
-        # three stages of 128 x 128 tiles fit shared memory only for heads up to 128 wide
-        stages = 3 if q.shape[2] <= 128 or block_m * block_n < 128 * 128 else 2
-        launch = PrefillLaunch(block_m, block_n, num_warps=8 if block_m == 128 else 4, num_stages=stages)
-        return flash_varlen_attention(q, *args, launch=launch)
-
-    run_varlen(dataclasses.replace(target, max_tokens=max(target.max_tokens, 80)), attention)
 
 
 def test_the_cudnn_route_takes_only_the_shapes_cudnn_serves():

@@ -1,7 +1,7 @@
 """The check that speculative sampling is lossless (``test_spec_sampling.py`` at top-p 1,
 ``test_spec_sampling_top_p.py`` at 0.9: two files, so that they run side by side): on the
 shipped demo model (trained, so it repeats a line it has seen repeated and the drafts copying it
-are often accepted) thousands of seeded requests of one prompt, sampled at temperature 1, draw
+are often accepted) a thousand seeded requests of one prompt, sampled at temperature 1, draw
 their first three tokens from plain sampling's distributions: the first (the prefill's), and the
 second and third (a verify step's two rows, max_tokens leaving room for one draft: the token
 after the last one, and the token after the accepted draft; after a rejected draft the third
@@ -14,9 +14,10 @@ from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.core.llm_engine import LLMEngine
 from engine.scheduling.sequence import SamplingParams
 
-NUM_DRAWS = 2000
+NUM_DRAWS = 1000
 TEMPERATURE = 1.0
-PROMPT = "    total += 1\n" * 6 + "    total +="  # a line the model repeats: the drafts copy it
+MASS_LEFT_OUT = 1e-6  # the third token's truth leaves out second tokens this unlikely together
+PROMPT = "    total += 1\n" * 3 + "    total +="  # a line the model repeats: the drafts copy it
 
 
 def restricted_softmax(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -92,12 +93,15 @@ def check_first_three_tokens(model, top_p: float) -> None:
     assert chi_square_p_value(drawn[:, 1], per_draw.sum(0)) > 1e-4
 
     # the third token, for the draws whose first token was the most common one: the second token's
-    # distribution times the third's given it, over every second token plain sampling can draw
+    # distribution times the third's given it, over the second tokens plain sampling draws but for
+    # the least likely ones, whose mass together is under MASS_LEFT_OUT (at top-p 1 that is most of
+    # the vocabulary; one transformers forward each would be most of this check's time)
     mode = firsts[counts.argmax()]
     chosen = drawn[:, 0] == mode
     p2 = second[counts.argmax()]
-    seconds = p2.nonzero()[:, 0]
+    sorted_p2, order = p2.sort(descending=True)
+    seconds = order[(sorted_p2.cumsum(0) - sorted_p2 < 1 - MASS_LEFT_OUT) & (sorted_p2 > 0)].sort().values
     third = restricted_softmax(next_token_logits(model, prompt + [int(mode)], seconds), top_p)  # [seconds, V]
     marginal = p2[seconds] @ third
-    assert marginal.shape == (vocab,) and abs(float(marginal.sum()) - 1) < 1e-6
+    assert marginal.shape == (vocab,) and abs(float(marginal.sum()) - 1) < 2 * MASS_LEFT_OUT
     assert chi_square_p_value(drawn[chosen, 2], marginal * int(chosen.sum())) > 1e-4

@@ -1,4 +1,4 @@
-"""Speculative sampling is lossless with top-p 0.9: the first three tokens of thousands of seeded
+"""Speculative sampling is lossless with top-p 0.9: the first three tokens of a thousand seeded
 requests of one prompt on the shipped demo model follow plain sampling's distributions
 (``spec_sampling_check``'s docstring says how, and what the truth is)."""
 from spec_sampling_check import check_first_three_tokens, load_model

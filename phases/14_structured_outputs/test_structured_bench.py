@@ -20,7 +20,7 @@ SIDE_KEYS = ("completed", "failed", "output_tokens", "output_throughput", "ttft_
 WORKLOAD_KEYS = ("plain", "constrained", "constrained_valid", "constrained_invalid", "first_invalid",
                  "structured_vs_plain_throughput_ratio", "itl_p99_ratio", "compile_ms_cold", "compile_ms_cached",
                  "mask_fill_us_per_step", "mask_rows", "mask_steps", "note")
-NUM_PROMPTS, OUTPUT_LEN = 4, 128  # the longest answer of either schema is about 110 tokens
+NUM_PROMPTS, OUTPUT_LEN = 2, 128  # the longest answer of either schema is about 110 tokens
 
 
 def bench_structured(capsys, *extra) -> dict:
