@@ -37,10 +37,9 @@ import os
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 LOOPBACK = "127.0.0.1"
 SERVER_RESTART_S = 10.0   # how long a start waits for a dead server to be replaced

@@ -160,7 +160,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     _check_source(args)
     report = {"bench": args.mode, "machine": machine(args.device), "settings": _settings(args)}
-    with GpuMonitor(args.gpu_sample_interval) as monitor:
+    # a run on the CPU samples no GPU (serve without --launch measures a server anywhere: it samples)
+    on_cpu = report["machine"]["device"].startswith("cpu") and (args.mode != "serve" or args.launch)
+    with GpuMonitor(args.gpu_sample_interval, "the run is on the CPU" if on_cpu else None) as monitor:
         if args.mode == "serve":
             report["serve"] = run_serve(args)
         else:

@@ -11,15 +11,18 @@ class GpuMonitor:
     utilisation (% of time a kernel ran) mean / max and used memory mean / max in GiB; or
     ``{"unavailable": reason}`` when NVML cannot be used here. ``mon.report(window)`` keeps only
     the samples taken inside ``window`` (``time.monotonic()`` seconds, start and end): the timed
-    part of a benchmark, without the model's load and warm-up."""
+    part of a benchmark, without the model's load and warm-up. ``unavailable``: a reason not to
+    sample at all (a run on the CPU: the host's GPUs are not what it measures)."""
 
-    def __init__(self, interval_s: float = 0.2):
+    def __init__(self, interval_s: float = 0.2, unavailable: str | None = None):
         self.interval_s = interval_s
-        self.unavailable: str | None = None
+        self.unavailable = unavailable
         self.samples: list[list[tuple[float, int, int]]] = []  # per device: (monotonic s, util %, used bytes)
         self._stop = threading.Event()
 
     def __enter__(self) -> "GpuMonitor":
+        if self.unavailable is not None:
+            return self
         try:
             import pynvml
         except ImportError:

@@ -33,7 +33,6 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from engine import version as package_version
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.core.lockstep import mirror_rank0
@@ -248,7 +248,7 @@ class OpenAIServer:
              "max_model_len": self.max_model_len}]})
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": importlib.metadata.version("agent-infer")})
+        return web.json_response({"version": package_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         tokens = await self.parse(request, self.protocol.tokenize)
