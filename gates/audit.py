@@ -200,7 +200,9 @@ def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeo
         report = Path(tmp) / "report.json"
         env = dict(os.environ)
         gates_parent = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), gates_parent])
+        # the copy first; what the caller's path held after it (packages installed beside the tree, as
+        # the GPU host's carried wheels are: without them phases 10 and 14 failed every file)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), gates_parent, *filter(None, [env.get("PYTHONPATH")])])
         env["GATES_AUDIT"] = "1"  # conftest.py: Hypothesis does not shrink (a failure is all the audit needs)
         try:
             proc = subprocess.run(_gate_command(tree, mutation, all_phases, report, slots), cwd=tree, env=env,

@@ -128,3 +128,20 @@ def test_the_repository_catalogue_loads_and_every_patch_applies_once(tmp_path):
             (tmp_path / m.id / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(repo / f, tmp_path / m.id / f)
         assert audit.apply(tmp_path / m.id, m) == "", m.id
+
+
+def test_the_gate_run_of_a_mutation_sees_the_packages_on_the_callers_path(tmp_path, monkeypatch):
+    """A package found only through the caller's PYTHONPATH (the GPU host's carried wheels) is
+    importable in the mutated copy's gate run: the add mutation is caught by its test, not lost to
+    an import error (hint ok: the failing test is the one the failure mode names)."""
+    root, beside = tmp_path / "tree", tmp_path / "site"
+    root.mkdir()
+    beside.mkdir()
+    (beside / "carried.py").write_text("TWO = 2\n")
+    (root / "toy.py").write_text(TOY)
+    fms = [{"id": "FM-900", "symptom": "sums are wrong", "check": "c", "fix": "f", "tests": ["test_add"]}]
+    write_phase(root, "01", gate("01", failure_modes=fms), {"test_toy.py": "from carried import TWO\n" + TEST_TOY})
+    monkeypatch.setenv("PYTHONPATH", str(beside))
+    out = audit.run_mutation(root, audit.Mutation("M01-add-subtracts", "01", ("FM-900",), "add subtracts", (
+        audit.Patch("toy.py", "return a + b", "return a - b"),)))
+    assert (out.verdict, out.hint_ok, out.failing_tests) == ("caught", True, ["phases/01_p/test_toy.py::test_add"])
