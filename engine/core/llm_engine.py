@@ -1,13 +1,15 @@
 """LLMEngine: requests in, outputs out, over a scheduler, a model runner and an output processor.
 
-``add_request`` / ``step`` / ``abort_request`` / ``request_output`` / ``pop_request`` drive a
-loop (the server's); ``generate`` (text) and ``generate_tokens`` (token ids) run prompts to the
-end; ``begin_generation`` / ``has_unfinished_requests`` / ``get_generation_outputs`` queue
-prompts and read their texts. A step is: the scheduler picks the batch, the runner launches it,
-the previous launch is read back (``postprocess``): the scheduler appends its tokens and the
-output processor turns them into each request's output. Under torchrun every rank runs the same
-engine loop on the same requests: only rank 0 samples and broadcasts, so every rank schedules
-the same steps. Request ids are counters, identical on every rank.
+``add_request`` / ``step`` / ``abort_request`` / ``pop_request`` drive a loop (the server's):
+each ``step`` returns what every request's output gained (its new tokens, text and logprobs, and
+its finish), so a stream consumes what is pushed to it; ``request_output`` is a request's whole
+output. ``generate`` (text) and ``generate_tokens`` (token ids) run prompts to the end;
+``begin_generation`` / ``has_unfinished_requests`` / ``get_generation_outputs`` queue prompts and
+read their texts. A step is: the scheduler picks the batch, the runner launches it, the previous
+launch is read back (``postprocess``): the scheduler appends its tokens and the output processor
+turns them into each request's output. Under torchrun every rank runs the same engine loop on
+the same requests (``engine.core.lockstep``): only rank 0 samples and broadcasts, so every rank
+schedules the same steps. Request ids are counters, identical on every rank.
 """
 from __future__ import annotations
 
@@ -249,11 +251,18 @@ class LLMEngine:
         return broadcast_object(self._grammars.advance(outputs) if self._grammars is not None else [])
 
     def abort_request(self, request_id: str) -> bool:
-        """Finish an unfinished request with reason "abort"; its blocks are freed (at once, or
-        after the step in flight that holds it). False for an unknown or finished request."""
-        if not self.scheduler.abort(request_id):
+        """Finish an unfinished request with reason "abort" (the next ``step`` pushes it); its
+        blocks are freed (at once, or after the step in flight that holds it). False for an
+        unknown or finished request."""
+        return self._end_request(request_id, "abort")
+
+    def _end_request(self, request_id: str, reason: str, error: str | None = None) -> bool:
+        """End an unfinished request with ``reason`` (the scheduler finishes it and frees its
+        blocks; its output is pushed, with ``error`` when it failed); False when no unfinished
+        request has this id."""
+        if not self.scheduler.finish(request_id, reason):
             return False
-        self.outputs.finish(request_id)
+        self.outputs.finish(request_id, error)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -264,12 +273,16 @@ class LLMEngine:
         """Output tokens that reached a request's output so far."""
         return self.outputs.num_generation_tokens
 
-    def request_output(self, request_id: str, tokens_from: int = 0, text_from: int = 0) -> RequestOutput:
-        """The request's output so far (``OutputProcessor.output``): whole, or its token ids and
-        logprobs from output index ``tokens_from`` on and its text from character ``text_from`` on,
-        which is what a streaming loop reads after each step. A running request's text stops
-        short of what could still become a stop string."""
-        return self.outputs.output(request_id, tokens_from, text_from)
+    def request_output(self, request_id: str) -> RequestOutput:
+        """The request's whole output so far (a stream reads what ``step`` pushes instead). A
+        running request's text stops short of what could still become a stop string."""
+        return self.outputs.output(request_id)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """What ``step`` returns: per request whose output gained anything since it was last
+        taken, a ``RequestOutput`` of what it gained (``OutputProcessor.take_outputs``). A caller
+        whose ``step`` raised takes the finish of the requests that step failed here."""
+        return self.outputs.take_outputs()
 
     def request_ids(self) -> list[str]:
         """The requests the engine holds: unfinished, or finished and not popped."""
@@ -290,8 +303,9 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the requests that finished since the last call (rejected
-        and aborted ones included; not those popped meanwhile).
+        """One engine iteration; returns what each request's output gained since the last call
+        (``take_outputs``: new tokens, text and logprobs, and the finish; rejected and aborted
+        requests included; not those popped meanwhile).
 
         Schedules the next batch and launches it. With overlap, the batch the previous call
         launched is then read back and postprocessed while the new one runs (its tokens feed the
@@ -325,7 +339,7 @@ class LLMEngine:
             # nothing runs and nothing fits: never wait forever
             for seq in self.scheduler.reject_waiting("could not be scheduled on an idle engine"):
                 self.outputs.finish(seq.request_id)
-        return self.outputs.take_finished()
+        return self.outputs.take_outputs()
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
@@ -345,11 +359,10 @@ class LLMEngine:
         result = self.scheduler.postprocess(launched.batch, token_ids)
         self.outputs.add_prompt_logprobs(launched.prompt_logprobs())
         for request_id, reason in self.outputs.process_outputs(result.outputs, launched.logprobs()):
-            self.scheduler.finish(request_id, reason)
+            self.scheduler.finish(request_id, reason)  # its output has ended: pushed by this step
         if any(out.seq.sampling_params.structured is not None for out in result.outputs):
             for request_id, reason, error in self._advance_grammars(result.outputs):
-                if self.scheduler.finish(request_id, reason):
-                    self.outputs.finish(request_id, error)
+                self._end_request(request_id, reason, error)
         return waited
 
     # ---- whole prompts to the end --------------------------------------------------------------
@@ -389,7 +402,7 @@ class LLMEngine:
         """Step until every request has finished; the caller collects the outputs itself."""
         while self.has_unfinished_requests():
             self.step()
-        self.outputs.take_finished()
+        self.take_outputs()
 
 
 def _reads_output(batch) -> bool:

@@ -20,6 +20,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from engine.core.output_processor import RequestOutput
 from engine.distributed import get_tp_group
 
 log = logging.getLogger("engine.core.lockstep")
@@ -65,17 +66,17 @@ def apply_commands(engine, commands: list[tuple]) -> list[str | None]:
     return request_ids
 
 
-def run_step(engine) -> str | None:
-    """One ``engine.step()``; an error message when it raised (the engine has then finished the
-    requests of the steps in flight with "error"). Under TP a failed step is re-raised: fatal."""
+def run_step(engine) -> tuple[list[RequestOutput], str | None]:
+    """One ``engine.step()``: the outputs it pushed, and an error message when it raised (the
+    engine has then finished the requests of the steps in flight with "error": their outputs
+    are the ones returned). Under TP a failed step is re-raised: fatal."""
     try:
-        engine.step()
-        return None
+        return engine.step(), None
     except Exception as e:
         log.exception("engine step failed")
         if engine.tp.size > 1:
             raise
-        return f"the engine failed on this request: {type(e).__name__}: {e}"
+        return engine.take_outputs(), f"the engine failed on this request: {type(e).__name__}: {e}"
 
 
 def mirror_rank0(engine) -> None:
@@ -90,4 +91,5 @@ def mirror_rank0(engine) -> None:
             return
         if commands or engine.has_unfinished_requests():
             for output in engine.step():  # aborted and rejected ones included
-                engine.pop_request(output.request_id)
+                if output.finished:
+                    engine.pop_request(output.request_id)

@@ -7,15 +7,23 @@ tokens are detokenised together, one batched tokenizer call per token index
 found in a token's new text cuts the text before it and ends the output at that token; the
 logprobs of each new token are kept; each request's reported finish reason is decided. It
 returns the unfinished requests the engine must end (a stop string, text that cannot be
-decoded). ``finish`` records a finish the scheduler made outside a step (rejected, aborted,
-failed with its step).
+decoded). ``finish`` takes a finish made outside a step's outputs (rejected, aborted, failed
+with its step, ended by its grammar) and why, when known.
 
-``output(request_id, tokens_from, text_from)`` is what every reader sees, one ``RequestOutput``:
-the whole output, or what follows a reader's cursor (a stream). While a request runs its text
-stops short of the characters that could still become the start of a stop string (the
-hold-back), so text once read is never taken back. Requests created without text
-(``generate_tokens``, or another TP rank's copy of a request without stop strings: only rank 0's
-text is read) cost nothing here.
+The finish state is the sequence's, which the scheduler writes (``status``, ``finish_reason``):
+an output is finished when its sequence is, and reports the sequence's reason, except where
+its text decided: "stop" when a stop string ended it (``stop_reason``), "error" with an
+``error`` (text that could not be decoded, a failed step, a grammar's refusal). The engine ends
+a request in the scheduler in the same call that ends its output, so no reader sees the two
+apart.
+
+Outputs are pushed: ``take_outputs`` returns, once, what each request's output gained since the
+last call (its new tokens, text and logprobs, and its finish), one ``RequestOutput`` delta per
+request that gained anything; ``LLMEngine.step`` returns them. ``output(request_id)`` is a
+request's whole output. While a request runs its text stops short of the characters that could
+still become the start of a stop string (the hold-back), so text once pushed is never taken
+back. Requests created without text (``generate_tokens``, or another TP rank's copy of a request
+without stop strings: only rank 0's text is read) cost nothing here.
 
 The scheduler owns each ``Sequence``; this class only reads it.
 """
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 
 from engine.core.detokenizer import IncrementalDetokenizer, batch_decoder, detokenize
 from engine.scheduling.scheduler import SequenceOutput
-from engine.scheduling.sequence import Sequence, SequenceStatus
+from engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +79,20 @@ class RequestState:
     ``detokenizer`` of its text (None: no text), its ``logprobs`` and ``prompt_logprobs`` (None:
     not asked for; the prompt's start with None for its first token), how many
     characters a running request's text holds back (``hold_back``: its longest stop string - 1),
-    how many of its output tokens reached the output (``num_tokens``), the finish reason
-    reported (``finish_reason``, ``error``) and the stop string that ended it (``stop_reason``)."""
+    how many of its output tokens reached the output (``num_tokens``), why it failed (``error``),
+    the stop string that ended it (``stop_reason``), and how much of the output ``take_outputs``
+    pushed already (``tokens_pushed``, ``text_pushed``: tokens and logprobs, characters)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[Logprobs] | None
     hold_back: int
     num_tokens: int = 0
-    finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     stop_reason: str | None = None
+    tokens_pushed: int = 0
+    text_pushed: int = 0
 
 
 class OutputProcessor:
@@ -96,7 +106,7 @@ class OutputProcessor:
         self.keeps_text = keeps_text
         self.num_generation_tokens = 0  # tokens that reached an output
         self._requests: dict[str, RequestState] = {}
-        self._finished: list[str] = []  # finished since the last take_finished()
+        self._changed: dict[str, None] = {}  # requests whose output gained since the last take_outputs()
 
     def add(self, seq: Sequence, detokenize: bool = True) -> None:
         params = seq.sampling_params
@@ -109,6 +119,7 @@ class OutputProcessor:
 
     def remove(self, request_id: str) -> None:
         del self._requests[request_id]
+        self._changed.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -120,29 +131,42 @@ class OutputProcessor:
         return self._requests[request_id].seq
 
     def finish(self, request_id: str, error: str | None = None) -> None:
-        """The scheduler finished the request outside a step (rejected, aborted, failed): its
-        reason is the scheduler's; ``error`` says why, when known."""
+        """The request's sequence was finished outside a step's outputs (rejected, aborted, failed
+        with its step, ended by its grammar): its output is pushed; ``error`` says why it failed."""
         state = self._requests[request_id]
-        seq = state.seq
-        self._finish(state, "rejected" if seq.status is SequenceStatus.REJECTED else seq.finish_reason)
         state.error = error
+        self._changed[request_id] = None
 
-    def take_finished(self) -> list[RequestOutput]:
-        """The outputs of the requests finished since the last call (not those removed meanwhile)."""
-        done, self._finished = self._finished, []
-        return [self.output(rid) for rid in done if rid in self._requests]
+    def take_outputs(self) -> list[RequestOutput]:
+        """Per request whose output gained anything since the last call (new tokens, text or
+        logprobs, or its finish; requests removed meanwhile left out), in the order they gained
+        it: a ``RequestOutput`` of what it gained, its finish state whole."""
+        changed, self._changed = self._changed, {}
+        deltas = []
+        for request_id in changed:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            delta = self._output(state, state.tokens_pushed, state.text_pushed)
+            state.tokens_pushed += len(delta.token_ids)
+            state.text_pushed += len(delta.text)
+            deltas.append(delta)
+        return deltas
 
-    def output(self, request_id: str, tokens_from: int = 0, text_from: int = 0) -> RequestOutput:
-        """The request's output, with its token ids and logprobs from output index ``tokens_from``
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's whole output so far."""
+        return self._output(self._requests[request_id], 0, 0)
+
+    def _output(self, state: RequestState, tokens_from: int, text_from: int) -> RequestOutput:
+        """The request's output with its token ids and logprobs from output index ``tokens_from``
         on and its text from character ``text_from`` on (copying nothing before them)."""
-        state = self._requests[request_id]
-        seq, detok, finished = state.seq, state.detokenizer, state.finish_reason is not None
+        seq, detok, finished = state.seq, state.detokenizer, state.seq.is_finished
         text = ""
         if detok is not None:
             end = detok.length if finished else detok.length - state.hold_back
             text = detok.text_from(text_from)[:max(0, end - text_from)]
-        return RequestOutput(request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens], text,
-                             finished, state.finish_reason, seq.reject_reason,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids[tokens_from:state.num_tokens],
+                             text, finished, _finish_reason(state), seq.reject_reason,
                              None if state.logprobs is None else state.logprobs[tokens_from:],
                              seq.num_draft_tokens, seq.num_accepted_tokens, state.error,
                              seq.num_cached_prompt_tokens or 0, state.prompt_logprobs, state.stop_reason)
@@ -164,8 +188,9 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[SequenceOutput], logprobs: dict[str, tuple]) -> list[tuple[str, str]]:
         """Take one step's outputs (``logprobs``: request id -> (the new token's logprob, [(token id,
-        logprob)])) and return the (request id, reason) of the unfinished requests the engine must
-        end: "stop" (a stop string matched) or "error" (its text could not be decoded)."""
+        logprob)])) and return the (request id, reason) of the unfinished requests whose outputs
+        it ended, which the engine must end in the same call: "stop" (a stop string matched) or
+        "error" (its text could not be decoded)."""
         to_finish: list[tuple[str, str]] = []
         texts = []
         for out in outputs:
@@ -173,24 +198,19 @@ class OutputProcessor:
             if state.logprobs is not None and out.seq.request_id in logprobs:
                 state.logprobs.append((out.new_token_ids[-1], *logprobs[out.seq.request_id]))
             if state.detokenizer is None:
-                self._advance(state, len(out.new_token_ids), out.finish_reason)
+                self._advance(state, len(out.new_token_ids), out.finish_reason is not None)
             else:
                 texts.append((state, out))
         if texts:
             self._process_text(texts, to_finish)
         return to_finish
 
-    def _advance(self, state: RequestState, num_tokens: int, reason: str | None) -> None:
-        """``num_tokens`` more output tokens reach the output; ``reason``: they end it."""
+    def _advance(self, state: RequestState, num_tokens: int, ends: bool) -> None:
+        """``num_tokens`` more output tokens reach the output; ``ends``: they end it."""
         state.num_tokens += num_tokens
         self.num_generation_tokens += num_tokens
-        if reason is not None:
-            self._finish(state, reason)
-
-    def _finish(self, state: RequestState, reason: str) -> None:
-        if state.finish_reason is None:
-            self._finished.append(state.seq.request_id)
-        state.finish_reason = reason
+        if num_tokens or ends:
+            self._changed[state.seq.request_id] = None
 
     def _process_text(self, texts: list[tuple[RequestState, SequenceOutput]], to_finish: list) -> None:
         """Detokenise each output's new tokens one at a time, one batched decode per token index (an
@@ -213,12 +233,15 @@ class OutputProcessor:
                     ended.add(id(state))
         for state, out in texts:
             if id(state) not in ended:
-                self._advance(state, len(out.new_token_ids), out.finish_reason)
+                self._advance(state, len(out.new_token_ids), out.finish_reason is not None)
 
     def _end(self, state: RequestState, out: SequenceOutput, num_tokens: int, reason: str, to_finish: list) -> None:
-        """End the output after ``num_tokens`` of the step's new tokens ("error": all of them),
-        with ``reason``; an unfinished request is handed to the engine to end."""
-        self._advance(state, len(out.new_token_ids) if reason == "error" else num_tokens, reason)
+        """End the output after ``num_tokens`` of the step's new tokens ("error": all of them, and
+        ``error`` says the text could not be decoded), with ``reason``; an unfinished request is
+        handed to the engine to end with it."""
+        if reason == "error":
+            state.error = "its output could not be detokenised"
+        self._advance(state, len(out.new_token_ids) if reason == "error" else num_tokens, True)
         if out.finish_reason is None:
             to_finish.append((state.seq.request_id, reason))
 
@@ -263,3 +286,17 @@ class OutputProcessor:
         kept = at + length if state.seq.sampling_params.include_stop_str_in_output else at
         detok.truncate(detok.length - len(window) + kept)
         return window[at:at + length]
+
+
+def _finish_reason(state: RequestState) -> str | None:
+    """The reason a finished request's output reports (None while it runs): "rejected", "error"
+    when it failed (``error``), "stop" when a stop string ended its text (the scheduler may have
+    ended it in the same step for its length), else its sequence's."""
+    seq = state.seq
+    if not seq.is_finished:
+        return None
+    if seq.reject_reason is not None:
+        return "rejected"
+    if state.error is not None:
+        return "error"
+    return "stop" if state.stop_reason is not None else seq.finish_reason

@@ -1,4 +1,5 @@
 """LLMEngine end to end on tiny random checkpoints, against HF transformers' generate (float32, CPU)."""
+import dataclasses
 import json
 import shutil
 
@@ -132,10 +133,10 @@ def test_overlong_prompt_is_rejected(engines, greedy):
     ids = [engine.add_request(p, greedy) for p in (ok[0], too_long, ok[1])]
     finished = {}
     while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step()})
-    finished.update({o.request_id: o for o in engine.step()})
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished[ids[1]].finish_reason == "rejected" and "max_model_len" in finished[ids[1]].reject_reason
-    assert [finished[i].token_ids for i in (ids[0], ids[2])] == engine.generate_tokens(ok, greedy)
+    assert [engine.pop_request(i).token_ids for i in (ids[0], ids[2])] == engine.generate_tokens(ok, greedy)
     assert engine.generate(["the", "lazy " * 200]) [1] == ""
     assert_no_block_leaks(engine)
 
@@ -216,8 +217,8 @@ def test_abort_frees_every_block(engines, greedy):
     assert not engine.abort_request(ids[0]) and not engine.abort_request("nope")
     outs = {}
     while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step()})
-    outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outs[ids[0]].finish_reason == "abort" and outs[ids[-1]].finish_reason == "abort"
     assert all(outs[i].finish_reason in ("stop", "length") for i in ids[1:-1])
     assert_no_block_leaks(engine)
@@ -315,18 +316,26 @@ def test_forced_backend_builds_that_family(checkpoints, engines, tmp_path, greed
 
 
 def test_request_progress_follows_the_output(engines, greedy):
-    """The deltas a streaming loop reads after each step (request_output from its cursor on)
-    add up to request_output at every step."""
+    """The deltas step() pushes (one per request whose output gained anything: its new tokens,
+    text and logprobs) add up to request_output at every step, a stop string's hold-back
+    included; a request pushes nothing in a step that gave it nothing, and its finish once."""
     engine = engines["Qwen2ForCausalLM"]
-    rid = engine.add_request("the quick brown fox", greedy)
-    text, num_tokens = "", 0
+    params = dataclasses.replace(greedy, max_tokens=MAX_NEW, stop=("zzz-never",), logprobs=2)
+    ids = [engine.add_request(p, params) for p in ("the quick brown fox", "a garden of light")]
+    got = {rid: ("", [], []) for rid in ids}
+    finishes = []
     while engine.has_unfinished_requests():
-        engine.step()
-        delta = engine.request_output(rid, tokens_from=num_tokens, text_from=len(text))
-        text, num_tokens = text + delta.text, num_tokens + len(delta.token_ids)
-        out = engine.request_output(rid)
-        assert (text, num_tokens, delta.finished) == (out.text, len(out.token_ids), out.finished)
-    engine.pop_request(rid)
+        for delta in engine.step():
+            assert delta.token_ids or delta.finished, delta
+            text, tokens, logprobs = got[delta.request_id]
+            got[delta.request_id] = (text + delta.text, tokens + delta.token_ids, logprobs + delta.logprobs)
+            finishes += [delta.request_id] * delta.finished
+        for rid in ids:
+            out = engine.request_output(rid)
+            assert got[rid] == (out.text, out.token_ids, out.logprobs)
+    assert sorted(finishes) == sorted(ids) and engine.step() == []
+    for rid in ids:
+        engine.pop_request(rid)
     assert_no_block_leaks(engine)
 
 

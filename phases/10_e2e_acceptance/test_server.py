@@ -441,7 +441,11 @@ def test_a_failed_step_is_fatal_under_tensor_parallelism():
     def failing_step():
         raise RuntimeError("boom")
 
-    error = run_step(SimpleNamespace(tp=SimpleNamespace(size=1), step=failing_step))
-    assert "RuntimeError: boom" in error
+    failed = ["failed-request-output"]  # what the engine pushes for the requests of the failed step
+    def engine(ranks):
+        return SimpleNamespace(tp=SimpleNamespace(size=ranks), step=failing_step, take_outputs=lambda: failed)
+
+    outputs, error = run_step(engine(1))
+    assert outputs == failed and "RuntimeError: boom" in error
     with pytest.raises(RuntimeError, match="boom"):
-        run_step(SimpleNamespace(tp=SimpleNamespace(size=2), step=failing_step))
+        run_step(engine(2))

@@ -69,12 +69,8 @@ def measure_decode(engine, prompt: list[int], tokens: int) -> dict:
         engine.step()  # the prefill, read back: the first output token
     steps_before, start = engine.num_steps, time.perf_counter()
     with tqdm(total=tokens, desc="decode B=1", unit="tok") as bar:
-        done = 1
         while engine.has_unfinished_requests():
-            engine.step()
-            new = len(engine.request_output(rid, tokens_from=done).token_ids)
-            bar.update(new)
-            done += new
+            bar.update(sum(len(out.token_ids) for out in engine.step()))
     seconds = time.perf_counter() - start
     out = engine.pop_request(rid)
     decoded = len(out.token_ids) - 1
@@ -200,7 +196,7 @@ def measure_throughput(engine, prompts: list[list[int]], output_lens: list[int],
     ids = [engine.add_request(p, sp, detokenize=False) for p, sp in zip(prompts, params)]
     with tqdm(total=len(ids), desc=desc, unit="req") as bar:
         while engine.has_unfinished_requests():
-            bar.update(len(engine.step()))
+            bar.update(sum(out.finished for out in engine.step()))
     end = time.monotonic()
     seconds, window = end - start, (start, end)
     outputs = [engine.pop_request(rid) for rid in ids]

@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -40,12 +41,12 @@ import signal
 import ssl
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
 
-from engine import version as package_version
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.core.lockstep import mirror_rank0
@@ -248,7 +249,13 @@ class OpenAIServer:
              "max_model_len": self.max_model_len}]})
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": package_version()})
+        """agent-infer's version: the installed package's, else (a checkout run without installing
+        it, ``PYTHONPATH=.``) the one ``pyproject.toml`` declares."""
+        try:
+            version = importlib.metadata.version("agent-infer")
+        except importlib.metadata.PackageNotFoundError:
+            version = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]["version"]
+        return web.json_response({"version": version})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         tokens = await self.parse(request, self.protocol.tokenize)

@@ -1,9 +1,9 @@
 """The one thread that calls the engine (rank 0 of the core's TP lock-step), the error policy and draining.
 
 HTTP handlers ``submit`` and ``abort`` streams from their own thread. Between steps the engine
-thread adds and aborts what they queued, steps while there is work, and posts each stream's
-progress into the stream (the engine's ``RequestOutput`` from the stream's cursor on: new tokens,
-new text, new logprobs, the finish); a stream keeps only what its reader has not taken yet, so a
+thread adds and aborts what they queued, steps while there is work, and posts into each stream
+what the step pushed for its request (the engine's ``RequestOutput`` deltas: new tokens, new
+text, new logprobs, the finish); a stream keeps only what its reader has not taken yet, so a
 slow reader costs O(its text) and never stalls the loop. A finished request is forgotten by the
 engine at once.
 
@@ -203,12 +203,12 @@ class EngineLoop:
                     break
                 if commands or engine.has_unfinished_requests():
                     self._busy_since = time.monotonic()
-                    error = run_step(engine)
+                    outputs, error = run_step(engine)
+                    self._publish(outputs)
                     self._failed_steps = self._failed_steps + 1 if error else 0
                     if self._failed_steps >= MAX_FAILED_STEPS:
                         raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps failed in a row, the last: {error}")
                     self._busy_since = None
-                self._publish()
                 self.metrics.observe(engine)
         except BaseException as e:
             self.failure = e
@@ -257,11 +257,13 @@ class EngineLoop:
                 stop = True
         return commands, streams, stop
 
-    def _publish(self) -> None:
-        """Post every stream's progress; forget the finished requests."""
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Post what a step pushed into each request's stream; forget the finished requests."""
         now = time.monotonic()
-        for request_id, stream in list(self._streams.items()):
-            output = self.engine.request_output(request_id, stream.num_tokens, stream.text_length)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # not a stream's (a request the engine holds for no one)
+                continue
             new_tokens = later_tokens = len(output.token_ids)
             if new_tokens:
                 if stream.num_tokens == 0:
@@ -270,17 +272,16 @@ class EngineLoop:
                 if later_tokens:
                     self.metrics.next_tokens(later_tokens, now - (stream.last_token_at or now))
                 stream.last_token_at = now
-            stream.text_length += len(output.text)
             stream.num_tokens += new_tokens
+            stream.text_length += len(output.text)
+            stream.post(output)
             if output.finished:
-                del self._streams[request_id]
-                self.engine.pop_request(request_id)
-                stream.post(output)
+                del self._streams[output.request_id]
+                self.engine.pop_request(output.request_id)
                 self.metrics.finished(output.finish_reason, now - stream.arrival)
-                log.info("request %s: prompt %d tokens, output %d tokens, finished (%s) in %.3f s", request_id,
-                         len(stream.prompt_token_ids), stream.num_tokens, output.finish_reason, now - stream.arrival)
-            elif output.text or new_tokens or output.logprobs:
-                stream.post(output)
+                log.info("request %s: prompt %d tokens, output %d tokens, finished (%s) in %.3f s",
+                         output.request_id, len(stream.prompt_token_ids), stream.num_tokens, output.finish_reason,
+                         now - stream.arrival)
 
     def _close(self, reason: str, finish: str = "abort") -> None:
         """No more submissions; every stream still waiting ends as ``finish`` ("abort", or "error"
