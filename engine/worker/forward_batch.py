@@ -12,7 +12,7 @@ from engine.model.attention_context import AttentionContext
 if TYPE_CHECKING:
     from engine.scheduling.scheduler import ScheduledBatch
     from engine.worker.prompt_logprobs import PromptLogprobsPlan
-    from engine.worker.sampling_rows import SamplingPlan
+    from engine.worker.sampling import SamplingPlan
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

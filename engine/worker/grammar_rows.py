@@ -1,7 +1,7 @@
 """One engine's grammar state: a matcher per request with a ``structured`` spec, each step's
 token bitmask for the logits rows of those requests, and the grammars advanced by the tokens read
 back. It lives where sampling happens (rank 0 under TP) and is the ``grammar`` hook of the
-engine's ``SamplingRows``: ``fill`` on the host when a step is planned, ``apply`` on the device
+engine's ``BatchSampler``: ``fill`` on the host when a step is planned, ``apply`` on the device
 before any other constraint.
 
 A grammar advances only with the tokens that reach its request's output (``advance`` takes the

@@ -2,9 +2,9 @@
 without waiting for the device.
 
 The runner owns the model, its KV pool and the step metadata on the device. Each running
-sequence holds a row of the device block tables (``BlockTables``: written only where its block
-table changed since the last step) and of the sampling columns (``SamplingRows``: temperature,
-top-p, top-k, seed; written once, when it gets the row): its ``table_row``. A step is built once,
+sequence holds a row of the persistent input batch (``InputBatch``: its block table, written only
+where the table changed since the last step, and its sampling state, written once, when it gets
+the row): its ``table_row``. A step is built once,
 by ``prepare``, into a ``ForwardBatch`` (named device tensors) with a few vectorised torch ops
 and one host -> device copy (pinned, non-blocking on CUDA); no Python loop runs over tokens.
 ``forward`` runs it; ``launch`` queues both and the sampling and returns a ``LaunchedStep`` whose
@@ -49,8 +49,8 @@ from engine.model.loader import load_checkpoint
 from engine.model.models.registry import build_model
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
-from engine.worker.block_tables import BlockTables
 from engine.worker.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
+from engine.worker.input_batch import InputBatch
 from engine.worker.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
 from engine.worker.piecewise_graphs import PiecewiseGraphs, prefill_graph_sizes
 from engine.worker.prompt_logprobs import (
@@ -58,7 +58,7 @@ from engine.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from engine.worker.runner import LaunchedStep, unique_parameter_bytes
-from engine.worker.sampling_rows import SamplingPlan, SamplingRows
+from engine.worker.sampling import BatchSampler, SamplingPlan
 
 if TYPE_CHECKING:
     from engine.core.engine_config import EngineConfig
@@ -114,12 +114,12 @@ class ModelRunner:
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, self.kv_cache_dtype, device)
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        # A running sequence holds a table row until it is released, which for a finished one waits
-        # for the step in flight, so up to twice max_num_seqs rows are held.
-        self.tables = BlockTables(2 * max_num_seqs, self.max_blocks_per_seq, block_size, device, max_draft_tokens)
+        # A running sequence holds a row until it is released, which for a finished one waits for the
+        # step in flight, so up to twice max_num_seqs rows are held.
+        self.input_batch = InputBatch(2 * max_num_seqs, self.max_blocks_per_seq, block_size,
+                                      config.model.config.vocab_size, device, max_draft_tokens)
         max_rows = max_num_seqs * (1 + max_draft_tokens)  # decode tokens (and logits rows) of a decode step
-        self.sampling = SamplingRows(self.tables.pad_row + 1, config.model.config.vocab_size, max_rows, device,
-                                     Sampler(tp), eos_token_ids)
+        self.sampling = BatchSampler(self.input_batch, max_rows, Sampler(tp), eos_token_ids)
         # the static decode inputs, two host staging copies (pinned on CUDA) used in turn with the events of
         # their last copies, and the gathered block tables of the decode tokens
         cuda = device.type == "cuda"
@@ -162,26 +162,24 @@ class ModelRunner:
                                 gathered)
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished or preempted sequence's rows (no-op if it holds none)."""
-        self.tables.release(seq)
+        """Forget a finished or preempted sequence's row (no-op if it holds none)."""
+        self.input_batch.remove(seq)
 
     @property
     def held(self) -> list[str]:
-        """The request ids holding runner state (table and sampling rows)."""
-        return self.tables.held
+        """The request ids holding runner state (an input-batch row)."""
+        return self.input_batch.held
 
     def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
                 decode_size: int | None = None) -> ForwardBatch:
-        """The step's ``ForwardBatch``: new sequences get their table rows (and their sampling
-        parameters are written), the host-side sampling plan is decided, and the inputs reach the
+        """The step's ``ForwardBatch``: new sequences get their input-batch rows (their sampling
+        state written there), the host-side sampling plan is decided, and the inputs reach the
         device in one copy. A decode step is staged in the static decode buffers and replays the
         graph of the next captured size when there is one; ``decode_size`` runs it eagerly as such a
         graph does, padded to that many decode tokens over the whole table width."""
         output_indices = [start + n - len(draft) - seq.num_prompt_tokens
                           for seq, start, n, draft in zip(batch.seqs, batch.starts, batch.num_tokens, batch.drafts)]
-        table_rows, new = self.tables.sync(batch.seqs)
-        if new:
-            self.sampling.write(new)
+        table_rows = self.input_batch.rows(batch.seqs)
         for i, position in zip(batch.draft_entries, _draft_tokens(batch)[1]):
             table_rows.append(table_rows[i])  # a drafted token's logits row samples the token after it
             output_indices.append(position + 1 - batch.seqs[i].num_prompt_tokens)
@@ -257,7 +255,7 @@ class ModelRunner:
         if copied is not None:
             copied.synchronize()  # this buffer's copy of two steps ago has left it
         moved = {entry for entry, _ in moves}
-        host.pad(n, size, self.tables.pad_row)
+        host.pad(n, size, self.input_batch.pad_row)
         draft_ids, draft_positions = _draft_tokens(batch)
         ids = [0 if i in moved else _token_at(seq, start) for i, (seq, start) in enumerate(zip(batch.seqs,
                                                                                              batch.starts))]
@@ -283,8 +281,8 @@ class ModelRunner:
         staged = self.decode_inputs
         input_ids, positions, table_rows = staged.input_ids[:size], staged.positions[:size], staged.table_rows[:size]
         tables = self.decode_tables[:size]
-        torch.index_select(self.tables.data, 0, table_rows, out=tables)
-        slots = torch.where(table_rows == self.tables.pad_row, -1, self.tables.slots(table_rows, positions))
+        torch.index_select(self.input_batch.block_tables, 0, table_rows, out=tables)
+        slots = torch.where(table_rows == self.input_batch.pad_row, -1, self.input_batch.slots(table_rows, positions))
         attention = AttentionContext(has_prefill=False, slot_mapping=slots, block_tables=tables[:, :width],
                                      context_lens=(positions + 1).to(torch.int32))
         return input_ids, positions, attention
@@ -345,16 +343,18 @@ class ModelRunner:
         decode_rows = d["token_table_rows"][:num_decode_tokens]
         width = math.ceil(max((start + n for start, n in zip(starts[:num_decode], nums[:num_decode])), default=0)
                           / self.block_size)  # blocks of the longest decode context
+        input_batch = self.input_batch
+        decode_tables = input_batch.block_tables.index_select(0, decode_rows)[:, :width] if num_decode_tokens else None
         attention = AttentionContext(
             has_prefill=True,
             num_decode_tokens=num_decode_tokens,
-            slot_mapping=self.tables.slots(d["token_table_rows"], d["positions"]),
+            slot_mapping=input_batch.slots(d["token_table_rows"], d["positions"]),
             cu_seqlens_q=d["cu_seqlens_q"].to(torch.int32),
             cu_seqlens_k=d["cu_seqlens_k"].to(torch.int32),
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(kv_lens.max()),
-            prefill_kv_slots=self.tables.slots(d["kv_table_rows"], d["kv_positions"]) if any_computed else None,
-            block_tables=self.tables.data.index_select(0, decode_rows)[:, :width] if num_decode_tokens else None,
+            prefill_kv_slots=input_batch.slots(d["kv_table_rows"], d["kv_positions"]) if any_computed else None,
+            block_tables=decode_tables,
             context_lens=(d["positions"][:num_decode_tokens] + 1).to(torch.int32) if num_decode_tokens else None,
         )
         if prompt is not None:

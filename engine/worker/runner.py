@@ -18,7 +18,7 @@ from engine.worker.prompt_logprobs import PromptLogprobsPlan, read_prompt_logpro
 
 if TYPE_CHECKING:
     from engine.scheduling.sequence import Sequence
-    from engine.worker.sampling_rows import StepLogprobs
+    from engine.worker.sampling import StepLogprobs
 
 
 def unique_parameter_bytes(model: nn.Module) -> int:

@@ -1,8 +1,8 @@
-"""Sampling state on the device, one row per running sequence, and a step's sampling from it.
+"""A step's sampling from the persistent input batch's rows.
 
-Each sequence's sampling parameters are written into its table row once, when it gets the row;
-a sequence with penalties also gets its output token counts and its prompt's tokens there,
-and every token it samples is counted on the device (no host work per token). A step then
+Each sequence's sampling parameters, and a penalised one's output token counts and prompt
+tokens, live in its row of the ``InputBatch`` (written once, when it joins); every token a
+penalised sequence samples is counted there on the device (no host work per token). A step then
 applies the constraints its host plan built (a grammar's token bitmask, ``logit_bias``,
 ``allowed_token_ids``, bad words), the penalties (vLLM's order: repetition, then frequency and
 presence), bans EOS and the stop token ids of sequences short of ``min_tokens``, samples
@@ -19,8 +19,8 @@ import torch
 
 from engine.model.layers.sampler import Sampler
 from engine.scheduling.scheduler import ScheduledBatch
-from engine.scheduling.sequence import Sequence
 from engine.worker.forward_batch import to_device, to_device_packed
+from engine.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from engine.worker.forward_batch import ForwardBatch
@@ -58,27 +58,22 @@ class StepLogprobs:
     top_ids: torch.Tensor
 
 
-class SamplingRows:
-    """``num_rows`` table rows of sampling state over a ``vocab_size`` vocabulary on ``device``; a
-    step samples at most ``max_batch`` logits rows. ``write(new)`` when sequences get their table
-    rows; ``plan(batch, output_indices)`` on the host; ``sample(logits, step)`` on the device. EOS
-    ids (``eos_token_ids``) count as stop ids for min_tokens.
+class BatchSampler:
+    """Samples the steps of an engine over the rows of ``rows`` (its ``InputBatch``): a step
+    samples at most ``max_batch`` logits rows. ``plan(batch, output_indices)`` on the host;
+    ``sample(logits, step)`` on the device. EOS ids (``eos_token_ids``) count as stop ids for
+    min_tokens.
 
     ``grammar`` (None: no request has a grammar; set by the engine where sampling happens, rank 0
     under TP) is the grammar state of the requests with ``structured`` params: ``fill(rows)``
     takes the (logits row, Sequence) of the step's grammar rows on the host and returns a mask,
     ``apply(logits, mask)`` sets the tokens the mask refuses to -inf in place on the device."""
 
-    def __init__(self, num_rows: int, vocab_size: int, max_batch: int, device: torch.device, sampler: Sampler,
-                 eos_token_ids=frozenset()):
-        self.num_rows, self.vocab_size, self.device, self.sampler = num_rows, vocab_size, device, sampler
+    def __init__(self, rows: InputBatch, max_batch: int, sampler: Sampler, eos_token_ids=frozenset()):
+        self.rows, self.vocab_size, self.device, self.sampler = rows, rows.vocab_size, rows.device, sampler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar = None
-        # temperature, top_p, presence, frequency, repetition, min_p | top_k, seed
-        self.floats = torch.zeros(6, num_rows, device=device)
-        self.ints = torch.zeros(2, num_rows, dtype=torch.int64, device=device)
-        self.output_counts: torch.Tensor | None = None  # int32 [rows, V], made for the first penalised sequence
-        self.prompt_seen: torch.Tensor | None = None    # bool [rows, V]
+        device = self.device
         self._greedy = dict(
             temperatures=torch.zeros(max_batch, device=device), top_ks=torch.zeros(max_batch, dtype=torch.int64,
                                                                                    device=device),
@@ -86,31 +81,6 @@ class SamplingRows:
                                                                             device=device),
             output_indices=torch.zeros(max_batch, dtype=torch.int64, device=device))
         self._no_rows = torch.zeros(0, dtype=torch.int64, device=device)
-
-    def write(self, new: list[tuple[int, Sequence]]) -> None:
-        """Sequences that just got their table ``row``: parameters into the columns; a penalised
-        one's counts of the output it has so far (a recomputed one has some) and its prompt's tokens."""
-        params = [seq.sampling_params for _, seq in new]
-        rows = to_device(torch.tensor([row for row, _ in new], dtype=torch.int64), self.device)
-        self.floats[:, rows] = to_device(torch.tensor(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.presence_penalty for p in params],
-             [p.frequency_penalty for p in params], [p.repetition_penalty for p in params],
-             [p.min_p for p in params]], dtype=torch.float32),
-            self.device)
-        self.ints[:, rows] = to_device(torch.tensor([[p.top_k for p in params], [seq.seed for _, seq in new]],
-                                                    dtype=torch.int64), self.device)
-        penalized = [(row, seq) for row, seq in new if seq.sampling_params.penalized]
-        if not penalized:
-            return
-        if self.output_counts is None:
-            self.output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.prompt_seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
-        for row, seq in penalized:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=self.vocab_size)
-            self.output_counts[row] = to_device(counts.to(torch.int32), self.device)
-            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
-            seen[seq.prompt_token_ids] = True
-            self.prompt_seen[row] = to_device(seen, self.device)
 
     def plan(self, batch: ScheduledBatch, output_indices: list[int]) -> SamplingPlan:
         """The step's sampling from its logits rows' parameters and output indices: one row per
@@ -170,7 +140,7 @@ class SamplingRows:
         ids = self._draw(logits, step)
         if penalized_index is not None:
             counted = (table_rows.index_select(0, penalized_index), ids.index_select(0, penalized_index))
-            self.output_counts.index_put_(counted, torch.ones_like(counted[0], dtype=torch.int32), accumulate=True)
+            self.rows.output_counts.index_put_(counted, torch.ones_like(counted[0], dtype=torch.int32), accumulate=True)
         if logprob_rows is None:
             return ids, None
         chosen = logprob_rows.gather(1, ids.index_select(0, logprob_index)[:, None])[:, 0]
@@ -200,10 +170,10 @@ class SamplingRows:
         """``logits`` (float32, new tensor) with the penalties of the logits rows ``penalized``
         (table rows ``table_rows``) applied."""
         picked = logits.index_select(0, penalized).float()
-        counts = self.output_counts.index_select(0, table_rows)
+        counts = self.rows.output_counts.index_select(0, table_rows)
         present = counts > 0
-        presence, frequency, repetition = self.floats[2:5].index_select(1, table_rows)[:, :, None]
-        seen = present | self.prompt_seen.index_select(0, table_rows)
+        presence, frequency, repetition = self.rows.floats[2:5].index_select(1, table_rows)[:, :, None]
+        seen = present | self.rows.prompt_seen.index_select(0, table_rows)
         picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
         picked = picked - frequency * counts - presence * present
         return logits.float().index_copy(0, penalized, picked)
@@ -215,7 +185,8 @@ class SamplingRows:
             return self.sampler(logits, **columns, random_rows=self._no_rows)
         row_seqs = step.batch.logits_row_seqs
         params = [row_seqs[i].sampling_params for i in random_rows]
-        floats, ints = self.floats.index_select(1, step.table_rows), self.ints.index_select(1, step.table_rows)
+        floats = self.rows.floats.index_select(1, step.table_rows)
+        ints = self.rows.ints.index_select(1, step.table_rows)
         top_ks = [p.top_k for p in params]
         return self.sampler(logits, floats[0], ints[0], floats[1], ints[1], step.output_indices, floats[5],
                             random_rows=step.random_rows, max_top_k=max(top_ks) if min(top_ks) > 0 else None,
