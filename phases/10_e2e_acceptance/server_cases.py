@@ -239,7 +239,8 @@ def assert_error_object(raw: bytes, param: str | None = None, code: str | None =
 # 2-core machine with one core kept busy, the longest wait was 0.01-0.1 x the quiet stream beside most
 # attacks and up to 1.4 x beside 20,000 tools (a 6 MB body: json.loads holds the interpreter lock for
 # 0.25 s); work moved back onto the event loop (the mutations M10-parse-on-the-event-loop and
-# M14-compile-blocks-the-event-loop) gave 10.7 x and 13.9 x.
+# M14-compile-blocks-the-event-loop) gave 10.7 x and 13.9 x. The witness streams 192 tokens: at 96, on a faster
+# host (0.19 s quiet), that fixed 0.25-0.6 s of the in-process harness's json.loads read as 3.2 x.
 ATTACK_STALL = 3.0
 
 
@@ -253,7 +254,7 @@ class Witness:
     sent); an attack that takes a core only slows every chunk a little, which the bound allows."""
     url: str
     prompt: str = "def fibonacci(n):"
-    max_tokens: int = 96
+    max_tokens: int = 192
     text: str | None = None
 
     def run(self, during: Callable[[], object] | None = None) -> tuple[str, float, float, object]:
