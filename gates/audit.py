@@ -185,9 +185,10 @@ def _judge(out: Outcome, mutation: Mutation, phases: list[dict]) -> None:
 
 
 def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeout_s: float = 3600,
-                 slots: int = 1) -> Outcome:
+                 slots: int = 1, threads: int | None = None) -> Outcome:
     """Apply ``mutation`` to a temporary copy of ``root`` and judge its gate run (``slots``: the
-    gate run's ``--jobs``)."""
+    gate run's ``--jobs``; ``threads``: the OpenMP threads of each of its processes, None: the
+    gate run's own choice, one thread per core for a lone session)."""
     out = Outcome(mutation.id, mutation.phase, list(mutation.failure_modes), mutation.description)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"audit-{mutation.id}-") as tmp:
@@ -204,6 +205,8 @@ def run_mutation(root: Path, mutation: Mutation, all_phases: bool = False, timeo
         # the GPU host's carried wheels are: without them phases 10 and 14 failed every file)
         env["PYTHONPATH"] = os.pathsep.join([str(tree), gates_parent, *filter(None, [env.get("PYTHONPATH")])])
         env["GATES_AUDIT"] = "1"  # conftest.py: Hypothesis does not shrink (a failure is all the audit needs)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         try:
             proc = subprocess.run(_gate_command(tree, mutation, all_phases, report, slots), cwd=tree, env=env,
                                   capture_output=True, text=True, timeout=timeout_s)
@@ -224,9 +227,13 @@ def run_audit(root: Path, mutations: list[Mutation], all_phases: bool = False, j
     """Run every mutation (``jobs`` at a time, the cores shared among their gate runs); ``progress``
     gets one line per finished mutation."""
     slots = max(1, default_load() // max(1, jobs))
+    # gate runs side by side keep one OpenMP thread a process, as a gate run's own sessions side by side
+    # do: a gate run of one slot runs its sessions one at a time at torch's default of a thread per
+    # core, and two such runs on two cores spun on each other's cores (phase 09: 465 s a mutation, 41 s alone)
+    threads = 1 if jobs > 1 else None
 
     def one(m: Mutation) -> Outcome:
-        o = run_mutation(root, m, all_phases, slots=slots)
+        o = run_mutation(root, m, all_phases, slots=slots, threads=threads)
         progress(f"{o.id:<28} {o.verdict:<13} hint {'ok' if o.hint_ok else 'MISSING':<8} ({o.duration_s:.0f} s)")
         return o
 

@@ -145,3 +145,21 @@ def test_the_gate_run_of_a_mutation_sees_the_packages_on_the_callers_path(tmp_pa
     out = audit.run_mutation(root, audit.Mutation("M01-add-subtracts", "01", ("FM-900",), "add subtracts", (
         audit.Patch("toy.py", "return a + b", "return a - b"),)))
     assert (out.verdict, out.hint_ok, out.failing_tests) == ("caught", True, ["phases/01_p/test_toy.py::test_add"])
+
+
+def test_gate_runs_side_by_side_keep_one_thread_a_process(tmp_path):
+    """An audit of several mutations at once gives each gate run's processes one OpenMP thread:
+    torch's default, a thread per core in every session of a one-slot gate run, had two runs on
+    two cores spin on each other's cores (a phase-09 mutation took 465 s instead of 80). The toy
+    phase's second test reads the session's torch threads; only the planted fault fails."""
+    (tmp_path / "toy.py").write_text(TOY)
+    threads_test = "import torch\n\n\ndef test_one_thread():\n    assert torch.get_num_threads() == 1\n"
+    fms = [{"id": "FM-900", "symptom": "sums are wrong", "check": "c", "fix": "f", "tests": ["test_add"]}]
+    write_phase(tmp_path, "01", gate("01", failure_modes=fms), {"test_toy.py": TEST_TOY + "\n\n" + threads_test})
+    catalogue = tmp_path / "catalogue"
+    catalogue.mkdir()
+    (catalogue / "01.yaml").write_text(yaml.safe_dump(CATALOGUE[:1], sort_keys=False))
+    report = tmp_path / "audit.json"
+    main(["--root", str(tmp_path), "audit", "--catalogue", str(catalogue), "--jobs", "2", "--report", str(report)])
+    (outcome,) = json.loads(report.read_text())["mutations"]
+    assert (outcome["verdict"], outcome["failing_tests"]) == ("caught", ["phases/01_p/test_toy.py::test_add"])
