@@ -229,7 +229,7 @@ def run_audit(root: Path, mutations: list[Mutation], all_phases: bool = False, j
     slots = max(1, default_load() // max(1, jobs))
     # gate runs side by side keep one OpenMP thread a process, as a gate run's own sessions side by side
     # do: a gate run of one slot runs its sessions one at a time at torch's default of a thread per
-    # core, and two such runs on two cores spun on each other's cores (phase 09: 465 s a mutation, 41 s alone)
+    # core, and two such runs on two cores spun on each other's cores (phase 09: 465 s a mutation, 80 s now)
     threads = 1 if jobs > 1 else None
 
     def one(m: Mutation) -> Outcome:
