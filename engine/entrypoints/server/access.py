@@ -24,6 +24,12 @@ CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 
 
+def client_of(request: web.Request) -> str:
+    """Who sent ``request``, as fair sharing tells clients apart (the engine's admission, the grammar
+    compile queue): its peer address."""
+    return request.remote or ""
+
+
 def anthropic_error(status: int, message: str) -> dict:
     """Anthropic's error object for an HTTP ``status``."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

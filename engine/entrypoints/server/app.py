@@ -52,7 +52,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.lockstep import mirror_rank0
 from engine.core.output_processor import RequestOutput
 from engine.entrypoints.server import anthropic, reasoning, responses
-from engine.entrypoints.server.access import api_key_middleware, cors_middleware, ssl_context
+from engine.entrypoints.server.access import api_key_middleware, client_of, cors_middleware, ssl_context
 from engine.entrypoints.server.chat_output import ChatParsing, ChatStream
 from engine.entrypoints.server.engine_loop import EngineLoop
 from engine.entrypoints.server.generation import Generation, sse_response
@@ -283,7 +283,7 @@ class OpenAIServer:
     async def generation(self, request: web.Request, gen: GenerationRequest) -> Generation:
         """``gen`` on the engine, its grammar compiled first (in the turn of the client's address)."""
         if gen.structured is not None:
-            await self._compile(gen.structured, request.remote or "")
+            await self._compile(gen.structured, client_of(request))
         return Generation(self.engine_loop, gen)
 
     async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
