@@ -151,9 +151,12 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    detokenize: bool = True) -> str:
-        """Queue a prompt (text, or token ids) and return its request id. A prompt that can never
-        run (longer than max_model_len, or needing more KV blocks than exist) is finished at
+                    detokenize: bool = True, client: str = "") -> str:
+        """Queue a prompt (text, or token ids) and return its request id. ``client`` names who
+        sent it (a server's client key): waiting requests are admitted round robin over clients,
+        first come, first served within one (the scheduler's admission order), so requests all
+        added with the default "" start in the order added. A prompt that can never run (longer
+        than max_model_len, or needing more KV blocks than exist) is finished at
         once as "rejected"; its output names the reason. A ``structured`` spec is compiled here
         (``grammar_compiler.compile``: a cache hit once ``compile_async`` has run for it); one that
         cannot be compiled raises its ``StructuredOutputError`` (a ValueError) and queues nothing."""
@@ -170,7 +173,7 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         params = sampling_params or SamplingParams()
         self._check_params(params)
-        seq = Sequence(token_ids, params, request_id=str(next(self._ids)))
+        seq = Sequence(token_ids, params, request_id=str(next(self._ids)), client=client)
         if params.structured is not None:
             self._add_grammar(seq)
         self.outputs.add(seq, detokenize)

@@ -2,9 +2,10 @@
 
 Rank 0 decides (the server's engine loop: only rank 0 hears requests) and, every iteration, sends
 the other ranks a two-int header over the TP group (payload bytes, stop) and, only when there are
-commands, their pickled payload: ``("add", token_ids, params)`` or ``("abort",
+commands, their pickled payload: ``("add", token_ids, params, client)`` or ``("abort",
 request_id)``. Every rank then applies the same commands in the same order (request ids are
-counters, identical on every rank) and steps; the other ranks only follow (``mirror_rank0``), so
+counters, identical on every rank; the client key of each add makes every rank's admission order
+the same) and steps; the other ranks only follow (``mirror_rank0``), so
 rank 0's collectives always meet theirs. ``send_commands`` is a no-op in one process. (``generate``
 and the benchmarks need no leader: every rank makes the same calls.)
 
@@ -51,13 +52,14 @@ def receive_commands() -> tuple[list[tuple], bool]:
 
 
 def apply_commands(engine, commands: list[tuple]) -> list[str | None]:
-    """Run commands, ``("add", token_ids, params)`` or ``("abort", request_id)``, on this rank's
-    engine; returns each add's request id (None when the engine refused it)."""
+    """Run commands, ``("add", token_ids, params, client)`` or ``("abort", request_id)``, on this
+    rank's engine; returns each add's request id (None when the engine refused it)."""
     request_ids = []
     for command in commands:
         if command[0] == "add":
             try:
-                request_ids.append(engine.add_request(command[1], command[2]))
+                _, token_ids, params, client = command
+                request_ids.append(engine.add_request(token_ids, params, client=client))
             except Exception:
                 log.exception("the engine refused a request")
                 request_ids.append(None)

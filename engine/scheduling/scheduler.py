@@ -3,8 +3,8 @@ recompute, and one step of lookahead. Pure Python.
 
 Every step is one ``ScheduledBatch`` under ``max_num_batched_tokens``: first one token for
 every running sequence that decodes (admission order), then the next chunks of running
-sequences whose prompt is only partly computed, then waiting sequences admitted in FCFS
-order. A prompt longer than what is left of the budget is prefilled in chunks over several
+sequences whose prompt is only partly computed, then waiting sequences admitted in the waiting
+queue's order (below). A prompt longer than what is left of the budget is prefilled in chunks over several
 steps (any prompt of the step may be cut, so the step fills its budget); a chunk that stops
 short of the prompt's end samples nothing. No decode waits for a prefill. A step that decodes
 (or whose decodes wait for a block) carries at most ``prefill_tokens_beside_decodes`` prompt
@@ -23,6 +23,20 @@ or ``max_model_len`` is not scheduled again; one that finishes on a token only t
 judge (EOS, a stop token id, a stop string, an abort) may have been scheduled once more:
 that step's token is dropped, and its blocks are freed when the last step holding it is
 postprocessed, never while a step may still write them.
+
+Admission order (``engine.scheduling.waiting``): preempted sequences first (recomputed before
+anything new), then round robin over clients (``Sequence.client``, a server's client key), first
+come, first served within one client: a client's request of a thousand sequences takes one seat
+in turn with each other client's, so a small request beside it waits for one seat per client
+waiting, not for the thousand.
+One client (``LLMEngine``'s default) is plain FCFS. A head whose blocks do not fit stops
+admission for the step: no sequence behind it, of any client, passes it, so a large sequence is
+never starved by a stream of smaller ones (it waits only for running sequences to finish or be
+preempted). A head whose next prefix block another running sequence is computing
+(``BlockManager.prefix_is_coming``: shared once published, a step or a chunked prefill later)
+waits too, with its client's later sequences, but passes its client's turn for the step, keeping
+its place: the next client's head may go (a preempted head waiting so stops admission). vLLM and
+SGLang admit first come, first served.
 
 Admission (``admission``):
 
@@ -73,6 +87,7 @@ from itertools import islice
 
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.sequence import Sequence, SequenceStatus
+from engine.scheduling.waiting import WaitingQueue
 
 ADMISSION_POLICIES = ("watermark", "reserve")  # the first is the default
 
@@ -209,7 +224,8 @@ def accepted_length(draft: list[int], sampled: list[int]) -> int:
 
 
 class Scheduler:
-    """Owns waiting/running sequences and assigns every status transition.
+    """Owns waiting/running sequences and assigns every status transition. ``waiting`` is a
+    ``WaitingQueue`` (iterated in admission order), ``running`` a list in admission order.
 
     ``watermark`` is the fraction of the pool (at least one block) that watermark admission
     leaves free. ``num_preemptions`` counts preemptions; ``preempted`` holds the sequences the
@@ -241,7 +257,7 @@ class Scheduler:
         if eos_token_id is None:
             eos_token_id = ()
         self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []
         self.num_preemptions = 0
@@ -434,11 +450,13 @@ class Scheduler:
         return len(batch.seqs)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        """Admit waiting sequences in FCFS order while they fit the sequence and block budgets and
-        the token budget left; the last one admitted may be cut into chunks. (Sequences prefilled
-        in one step cannot share the prefix blocks they compute: one whose next prefix block another
-        is computing waits, and the queue behind it, until that block is published,
-        ``BlockManager.prefix_is_coming``.)
+        """Admit waiting sequences in the waiting queue's order (preempted first, then round robin
+        over clients) while they fit the sequence and block budgets and the token budget left; the
+        last one admitted may be cut into chunks. A head whose blocks do not fit stops admission.
+        (Sequences prefilled in one step cannot share the prefix blocks they compute: one whose next
+        prefix block another is computing waits, with its client's later sequences, until that
+        block is published, ``BlockManager.prefix_is_coming``; the other clients' heads go on,
+        unless it is a preempted one.)
 
         A sequence gets blocks for its whole context when it is admitted, not chunk by
         chunk: admission is the one place that decides whether it fits, so a later chunk
@@ -446,10 +464,16 @@ class Scheduler:
         bm = self.block_manager
         reserve = self.admission == "reserve"
         reserved = sum(self._max_blocks(s) - len(s.block_table) for s in self.running) if reserve else 0
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            if bm.prefix_is_coming(seq):
-                break  # its prefix is being computed for another sequence: share it a step later
+        passed: set[str] = set()  # clients whose head waits for its prefix this step
+        while len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting.head(passed)
+            if seq is None:
+                break
+            if bm.prefix_is_coming(seq):  # being computed for another sequence: share it a step later
+                if self.waiting.has_preempted:
+                    break  # a preempted sequence goes before anything new
+                passed.add(seq.client)
+                continue
             if reserve:
                 growth = self._max_blocks(seq) - bm.blocks_for(seq.num_tokens)
                 if not bm.can_allocate(seq, num_reserved=reserved + growth):
@@ -462,7 +486,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             if seq.num_cached_prompt_tokens is None:  # its first admission: what usage reports
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
-            self.waiting.popleft()
+            self.waiting.take(seq)
             self.running.append(seq)
             budget -= self._add(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
 

@@ -198,15 +198,20 @@ class Sequence:
     drafted tokens verified for it (``num_draft_tokens``, speculative decoding) and those the
     target model accepted (``num_accepted_tokens``).
     ``seed`` is the request's sampling seed, drawn on the host when none is given.
+    ``client`` names who sent the request (a server's client key; "" for one client): waiting
+    sequences are admitted round robin over clients (``engine.scheduling.waiting``).
     """
 
     def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, arrival_time: float | None = None):
+                 request_id: str | None = None, arrival_time: float | None = None, client: str = ""):
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if not all(_is_int(t) and t >= 0 for t in prompt_token_ids):
             raise ValueError("prompt_token_ids must hold ints >= 0")
+        if not isinstance(client, str):
+            raise TypeError(f"client must be a str, got {type(client).__name__}")
         self.request_id = request_id if request_id is not None else uuid.uuid4().hex
+        self.client = client
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_pending_tokens = 0

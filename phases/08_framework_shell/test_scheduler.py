@@ -172,7 +172,7 @@ class StepChecker:
         sched, bm = self.sched, self.bm
         if not sched.waiting or len(sched.running) >= sched.max_num_seqs or left == 0 or sched.needs_drain:
             return
-        head = sched.waiting[0]
+        head = sched.waiting.head()
         if sched.admission == "watermark":
             fits = bm.can_allocate(head, num_reserved=sched.watermark_blocks if sched.running else 0)
         else:  # its growth beyond the prompt and every running sequence's must stay free

@@ -47,13 +47,16 @@ MAX_FAILED_STEPS = 3  # steps failing in a row: the engine is broken, not a requ
 
 
 class Stream:
-    """One engine request of an HTTP request. The engine thread ``post``s its progress, a
+    """One engine request of an HTTP request, from ``client`` (who sent it: the engine admits
+    waiting requests round robin over clients). The engine thread ``post``s its progress, a
     ``RequestOutput`` delta; the handler waits on ``bell`` (an asyncio.Event shared by the
     streams of one HTTP request) and ``take``s everything posted since it last took, merged into
     one delta."""
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, index: int, bell: asyncio.Event):
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, index: int, bell: asyncio.Event,
+                 client: str):
         self.prompt_token_ids, self.params, self.index, self.bell = prompt_token_ids, params, index, bell
+        self.client = client
         self.event_loop = asyncio.get_running_loop()
         self.request_id: str | None = None  # set by the engine thread
         self.aborted = False
@@ -243,7 +246,7 @@ class EngineLoop:
         commands, streams, stop = [], [], False
         for kind, *rest in items:
             if kind == "add" and not rest[0].aborted:
-                commands.append(("add", rest[0].prompt_token_ids, rest[0].params))
+                commands.append(("add", rest[0].prompt_token_ids, rest[0].params, rest[0].client))
                 streams.append(rest[0])
             elif kind == "abort" and rest[0].request_id is not None and rest[0].request_id in self._streams:
                 commands.append(("abort", rest[0].request_id))

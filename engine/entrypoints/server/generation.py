@@ -33,13 +33,21 @@ class ChoiceOutput:
     final: RequestOutput | None = None
 
 
-class Generation:
-    """``gen``'s choices running on ``engine_loop``; ``close()`` aborts what still runs."""
+def client_of(request: web.Request) -> str:
+    """Who sent ``request``, as fair sharing tells clients apart (the engine's admission, the grammar
+    compile queue): its peer address."""
+    return request.remote or ""
 
-    def __init__(self, engine_loop: EngineLoop, gen: GenerationRequest):
+
+class Generation:
+    """``gen``'s choices, sent by ``client`` (``client_of``: the engine admits waiting
+    requests round robin over clients), running on ``engine_loop``; ``close()`` aborts what still
+    runs."""
+
+    def __init__(self, engine_loop: EngineLoop, gen: GenerationRequest, client: str):
         self.engine_loop, self.gen = engine_loop, gen
         self.bell = asyncio.Event()
-        self.streams = [Stream(c.prompt_token_ids, c.params, c.index, self.bell) for c in gen.choices]
+        self.streams = [Stream(c.prompt_token_ids, c.params, c.index, self.bell, client) for c in gen.choices]
         self.finals: list[RequestOutput | None] = [None] * len(self.streams)
         try:
             for s in self.streams:
