@@ -1,11 +1,14 @@
 """Helpers of the phase-14 parser tests: deterministic id sources, splitting an output into
 deltas, the OpenAI SDK's own assembly of a chat stream (``ChatCompletionStreamState``, what
-``client.chat.completions.stream`` uses) as the truth for what a client sees, and a chat choice
-read whole and streamed (``engine.entrypoints.server.chat_output.ChatParsing``) in one comparable shape."""
+``client.chat.completions.stream`` uses) as the truth for what a client sees, a chat choice
+read whole and streamed (``engine.entrypoints.server.chat_output.ChatParsing``) in one comparable
+shape, and a hang guard for the linear-cost tests (``finishes``)."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 
+import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
@@ -58,3 +61,23 @@ def chat_streamed(parsing, deltas: list[str], finish_reason: str = "stop"):
     calls = message.tool_calls or []
     assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
     return message.content, [(c.function.name, c.function.arguments) for c in calls], reason
+
+
+def finishes(run, seconds: float = 60.0):
+    """``run()``'s result, computed in a forked process given ``seconds``: a hang guard (no timing
+    is asserted) that a parser whose cost grows with the square of the text runs into; the process
+    is then killed, so no quadratic parse goes on burning a core after the test."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=lambda: send.send(run()), daemon=True)
+    process.start()
+    send.close()
+    try:
+        assert receive.poll(seconds), f"still parsing after {seconds:g} s: the cost grows with the square of the text"
+        try:
+            return receive.recv()
+        except EOFError:
+            pytest.fail("the parse raised (its traceback is in the captured stderr)")
+    finally:
+        process.kill()
+        process.join()

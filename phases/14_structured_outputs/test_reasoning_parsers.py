@@ -1,13 +1,14 @@
 """Reasoning parsers (engine/entrypoints/server/reasoning.py) on Qwen3- and DeepSeek-R1-shaped outputs: the
 whole-output split against hand-written answers, each rule of the two parsers, and the stream,
 for every split, assembled by the OpenAI SDK into the same reasoning_content and content."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.entrypoints.server.reasoning import reasoning_parser
 from engine.entrypoints.server.tool_parsers import tool_parser
-from stream_cases import counting_ids, pieces, run_stream, sdk_message
+from stream_cases import counting_ids, finishes, pieces, run_stream, sdk_message
 
 QWEN3_THINKING_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 QWEN3_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -126,3 +127,51 @@ def test_reasoning_then_tool_calls_compose():
         got = (message.reasoning_content, message.content,
                [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls])
         assert got == want, f"cut at {cut}"
+
+
+LONG = 200_000  # characters: a quadratic parser takes minutes on this much, a linear one well under a second
+
+
+def test_reasoning_streams_and_blocks_are_linear_in_whitespace():
+    """Issue 57: LONG spaces held back (they may precede <think> at the start, </think> in the
+    reasoning), streamed 51 characters at a time (the issue's 51-space token) and in one delta;
+    the answer's blocks (``whole_blocks``, the Responses and Anthropic answers) through the
+    reasoning and hermes parsers, whole and fed a token at a time. Each equals the whole split;
+    the parsers that re-sliced and stripped the held text per character took minutes here."""
+    from engine.entrypoints.server.chat_output import ChatParsing
+    from engine.entrypoints.server.output_blocks import BlockStream, whole_blocks
+
+    spaces = " " * LONG
+    cases = [  # (parser, prompt, text, reasoning, content)
+        ("qwen3", QWEN3_PROMPT, spaces + "x", None, spaces + "x"),
+        ("qwen3", QWEN3_PROMPT, spaces + "<think>" + spaces + "a" + spaces + "</think>" + spaces + "b", "a", "b"),
+        ("qwen3", QWEN3_THINKING_PROMPT, "a" + spaces + "</thi" + spaces, "a" + spaces + "</thi" + spaces, None),
+        ("deepseek_r1", "", spaces + "a" + spaces + "</think>" + spaces, "a", None),
+    ]
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    answer = spaces + "<think>" + spaces + "a" + spaces + "</think>" + spaces + "b" + spaces + call + spaces
+    parsing = ChatParsing("hermes", "qwen3", tool_names=frozenset({"f"}))
+
+    def joined(deltas):
+        return tuple("".join(d.get(key, "") for d in deltas) or None for key in ("reasoning_content", "content"))
+
+    def run():
+        got = []
+        for parser, prompt, text, _, _ in cases:
+            by_token = run_stream(reasoning_parser(parser, prompt).stream(), [text[i:i + 51]
+                                                                             for i in range(0, len(text), 51)])
+            got.append((joined(by_token), joined(run_stream(reasoning_parser(parser, prompt).stream(), [text])),
+                        whole(parser, prompt, text)))
+        chat, blocks = parsing.stream(), BlockStream()
+        for i in range(0, len(answer), 51):
+            blocks.feed(chat.feed(answer[i:i + 51]))
+        blocks.feed(chat.finish("stop")[0])
+        blocks.finish()
+        return got, whole_blocks(parsing, answer, "stop"), blocks.blocks
+
+    got, (whole_answer, reason), streamed_answer = finishes(run)
+    for (parser, prompt, text, reasoning, content), split in zip(cases, got):
+        assert split == ((reasoning, content),) * 3, (parser, prompt, text[:40])
+    want = [("reasoning", "a", ""), ("text", "b", ""), ("tool_call", '{"a":1}', "f")]
+    assert [(b.kind, b.text, b.name) for b in whole_answer] == want and reason == "tool_calls"
+    assert [(b.kind, b.text, b.name) for b in streamed_answer] == want

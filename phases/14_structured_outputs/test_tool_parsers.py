@@ -15,7 +15,7 @@ from engine.entrypoints.server.call_object import compact
 from engine.entrypoints.server.chat_output import ChatParsing
 from engine.entrypoints.server.json_stream import JsonScanner
 from engine.entrypoints.server.tool_parsers import default_tool_parser, random_call_id, tool_parser
-from stream_cases import chat_streamed, chat_whole, counting_ids, pieces, run_stream, sdk_message
+from stream_cases import chat_streamed, chat_whole, counting_ids, finishes, pieces, run_stream, sdk_message
 
 WEATHER_PARIS = '{"city":"Paris","unit":"celsius"}'
 # (parser, output, content, [(name, arguments)])
@@ -539,3 +539,66 @@ def test_json_scanner_refuses_exactly_what_json_refuses(value, edits):
     except ValueError:
         ok = False
     assert (scan(text) is not None) == ok, text
+
+
+LONG = 200_000  # characters: a quadratic parser takes minutes on this much, a linear one well under a second
+
+
+def tokens_of(text: str, size: int = 51) -> list[str]:
+    """``text`` in deltas of ``size`` characters (the issue's attack: a 51-space token)."""
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def joined(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Stream deltas joined (as the SDK joins them, without its per-chunk cost): content and calls."""
+    content, calls = [], {}
+    for delta in deltas:
+        content.append(delta.get("content") or "")
+        for call in delta.get("tool_calls") or []:
+            entry = calls.setdefault(call["index"], [call["function"].get("name"), []])
+            entry[1].append(call["function"]["arguments"])
+    return "".join(content) or None, [(name, "".join(parts)) for name, parts in calls.values()]
+
+
+def test_parsers_are_linear_in_whitespace_names_and_arguments():
+    """Issue 57: whitespace held back (it may precede a tag or a call), a long call name and long
+    arguments, streamed a token at a time and parsed whole (one delta, as ``whole_blocks`` reads
+    a whole answer): each of LONG characters, and the result is the whole parse's. The parsers that
+    re-sliced and stripped the held text per character (and grew strings a character at a time)
+    took minutes here."""
+    spaces, name = " " * LONG, "f" * LONG
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    unknown = f'<tool_call>{{"name": "{name}"}}</tool_call>'  # a function the request does not offer
+    cases = [  # (parser, names, text, content, calls)
+        ("hermes", None, spaces + call, None, [("f", '{"a":1}')]),
+        ("hermes", None, "x" + spaces + call + spaces + "y", "xy", [("f", '{"a":1}')]),
+        ("hermes", None, spaces + "<tool_c" + spaces, spaces + "<tool_c" + spaces, []),
+        ("hermes", None, f'<tool_call>{{"name": "{name}", "arguments": {{"a": "{name}"}}}}</tool_call>', None,
+         [(name, f'{{"a":"{name}"}}')]),
+        ("hermes", {"f"}, unknown, unknown, []),
+        ("llama3_json", None, spaces + "<|python_tag|>" + spaces + '{"name": "f", "parameters": {"a": 1}}' + spaces,
+         None, [("f", '{"a":1}')]),
+        ("llama3_json", None, spaces + "x", spaces + "x", []),
+        ("llama3_json", {"f"}, f'{{"name": "{name}", "parameters": {{}}}}', f'{{"name": "{name}", "parameters": {{}}}}',
+         []),
+    ]
+
+    def run():
+        got = []
+        for parser, names, text, _, _ in cases:
+            streams = [tool_parser(parser, counting_ids(), names).stream() for _ in range(2)]
+            got.append((joined(run_stream(streams[0], tokens_of(text))), joined(run_stream(streams[1], [text])),
+                        whole(parser, text, names)))
+        forced = tool_parser("hermes", counting_ids(), {"f"}, forced=True)
+        text = f'<tool_call>\n{{"name": "f", "arguments": {{"a": "{name}"}}}}\n</tool_call>'
+        calls = forced.extract(text)[1]
+        got.append(([(c.name, c.arguments) for c in calls], joined(run_stream(forced.stream(), tokens_of(text))),
+                    joined(run_stream(forced.stream(), [text]))))
+        return got
+
+    got = finishes(run)
+    for (parser, names, text, content, calls), (by_token, at_once, parsed) in zip(cases, got):
+        want = (content, [(f"call_{i}", *c) for i, c in enumerate(calls)])
+        assert parsed == want and by_token == at_once == (content, calls), (parser, names, text[:40])
+    forced_call = [("f", f'{{"a":"{name}"}}')]
+    assert got[-1] == (forced_call, (None, forced_call), (None, forced_call))

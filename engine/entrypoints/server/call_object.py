@@ -78,7 +78,8 @@ class CallScanner:
     ``committed`` turns true when the name is known and the text is a call whatever follows: with
     the arguments' opening brace, or with the closing brace of a call without arguments (whose
     push returns ``"{}"``). ``done`` turns true with the object's closing brace. ``name`` is set
-    with the name's closing quote.
+    with the name's closing quote. Each character costs O(1) (the object's literal tokens are a
+    few characters; the name is gathered as a list and joined once).
     """
 
     def __init__(self, names: Container[str] | None = None):
@@ -88,7 +89,7 @@ class CallScanner:
         self._at = 0                          # index into _GRAMMAR
         self._literal = ""                    # the current literal token's characters so far
         self._value: JsonScanner | None = None
-        self._name_text = ""
+        self._name_text: list[str] = []       # the name's JSON string, a character at a time
 
     def push(self, ch: str) -> str | None:
         token = _GRAMMAR[self._at]
@@ -117,12 +118,12 @@ class CallScanner:
         if kept is None:
             return None
         if token == "name":
-            self._name_text += kept
+            self._name_text.append(kept)
         else:
             self.committed = True
         if self._value.done:
             if token == "name":
-                name = json.loads(self._name_text)
+                name = json.loads("".join(self._name_text))
                 if self._names is not None and name not in self._names:
                     return None
                 self.name = name

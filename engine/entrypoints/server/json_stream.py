@@ -5,7 +5,8 @@ else at the top level. ``push(ch)`` returns ``None`` when ``ch`` cannot continue
 (the scanner is then spent: push nothing more), ``""`` for whitespace between tokens and ``ch``
 for every other character, so the concatenated returns are the value with the whitespace between
 its tokens removed. ``done`` turns true with the character that completes the value. It accepts
-exactly what ``json.loads`` accepts, less ``NaN`` and ``Infinity`` (not JSON).
+exactly what ``json.loads`` accepts, less ``NaN`` and ``Infinity`` (not JSON). Each character
+costs O(1): the scanner keeps only the open containers and the state of the current token.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ block starts (a tool call with its id and name), ``Grew(index, text)`` for each 
 starts or the output ends. One block is open at a time; a change of kind, or a new tool call,
 closes it. ``whole_blocks`` reads a whole output through the same stream, so an answer and its
 stream always hold the same blocks; ``streamed_blocks`` feeds it a running generation's updates.
+Both are linear in the output (the parsers are; a block's text is joined once, when read).
 """
 from __future__ import annotations
 
@@ -21,14 +22,26 @@ from engine.entrypoints.server.generation import Generation
 KINDS = {"reasoning_content": "reasoning", "content": "text"}
 
 
-@dataclass
 class Block:
-    """``kind``: "reasoning", "text" or "tool_call"; ``text``: its text (a call's arguments, JSON
-    text); a tool call's ``call_id`` and ``name``."""
-    kind: str
-    text: str = ""
-    call_id: str = ""
-    name: str = ""
+    """``kind``: "reasoning", "text" or "tool_call"; ``text``: its text so far (a call's arguments,
+    JSON text); a tool call's ``call_id`` and ``name``. The text grows as pieces, joined when it is
+    read, so growing it costs only the piece."""
+
+    def __init__(self, kind: str, text: str = "", call_id: str = "", name: str = ""):
+        self.kind, self.call_id, self.name = kind, call_id, name
+        self._pieces = [text] if text else []
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def grow(self, text: str) -> None:
+        self._pieces.append(text)
+
+    def __repr__(self) -> str:
+        return f"Block({self.kind!r}, {self.text!r}, call_id={self.call_id!r}, name={self.name!r})"
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ class BlockStream:
 
     def _grow(self, text: str, events: list) -> None:
         if text:
-            self._open.text += text
+            self._open.grow(text)
             events.append(Grew(len(self.blocks) - 1, text))
 
     def _close(self, events: list) -> None:

@@ -20,14 +20,14 @@ and the whole parse says the same. Tags after the block are content. Empty parts
 
 The stream holds back whitespace and a possible start of the next tag and sends
 ``{"reasoning_content": ...}`` / ``{"content": ...}`` deltas; for any split of the output into
-deltas, the joined deltas of each field equal ``extract``'s parts.
+deltas, the joined deltas of each field equal ``extract``'s parts. Both are linear in the output:
+the stream holds back at most a whitespace run plus ``len("</think>")`` characters, kept as pieces
+(``engine.entrypoints.server.stream_text``), whatever the deltas' sizes.
 """
 from __future__ import annotations
 
-from collections import deque
-
 from engine.entrypoints.server.json_stream import WS
-from engine.entrypoints.server.stream_text import Deltas, TagWatch
+from engine.entrypoints.server.stream_text import Deltas, Reader, TagWatch, skip_ws
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -54,20 +54,21 @@ class ReasoningParser:
         return ReasoningStream(self.starts_inside)
 
 
-class ReasoningStream:
+class ReasoningStream(Reader):
     """One output read as it streams: ``feed(delta)`` and ``finish()`` return deltas. Modes:
-    start (before the first other character: is there an opening tag?), reasoning, content."""
+    start (before the first other character: is there an opening tag?), reasoning, content.
+    Linear in the output: content goes out a piece at a time, reasoning through a ``TagWatch``,
+    and the start (whitespace and at most ``<think>``) is read again once when it is no tag."""
 
     def __init__(self, starts_inside: bool):
+        super().__init__()
         self._starts_inside = starts_inside
         self._deltas = Deltas()
-        self._pending: deque[str] = deque()
         self._mode, self._watch = "start", TagWatch(OPEN)
         self._strip = False  # content: drop whitespace until its first other character
 
     def feed(self, delta: str) -> list[dict]:
-        self._pending.extend(delta)
-        self._run()
+        self._run(delta)
         return self._deltas.take()
 
     def finish(self) -> list[dict]:
@@ -78,17 +79,14 @@ class ReasoningStream:
             self._deltas.text("reasoning_content", self._watch.held)
         return self._deltas.take()
 
-    def _run(self) -> None:
-        while self._pending:
-            self._step(self._pending.popleft())
-
-    def _step(self, ch: str) -> None:
+    def _read(self, text: str, pos: int) -> int:
         if self._mode == "content":
-            if not (self._strip and ch in WS):
-                self._strip = False
-                self._deltas.text("content", ch)
-            return
-        released, found = self._watch.push(ch)
+            if self._strip:
+                pos = skip_ws(text, pos)
+                self._strip = pos == len(text)
+            self._deltas.text("content", text[pos:])
+            return len(text)
+        released, end, found = self._watch.feed(text, pos, once=self._mode == "start")
         if self._mode == "start":
             if found:
                 self._mode, self._watch = "reasoning", TagWatch(CLOSE, strip_leading=True)
@@ -98,10 +96,11 @@ class ReasoningStream:
             self._deltas.text("reasoning_content", released)
             if found:
                 self._mode, self._strip = "content", True
+        return end
 
     def _no_opening_tag(self, start: str) -> None:
         """The output does not start with <think>: its ``start`` is read again as reasoning or content."""
-        self._pending.extendleft(reversed(start))
+        self._read_again(start)
         if self._starts_inside:
             self._mode, self._watch = "reasoning", TagWatch(CLOSE, strip_leading=True)
         else:

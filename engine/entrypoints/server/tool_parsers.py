@@ -31,6 +31,13 @@ off inside them, text other than ``</tool_call>`` after a hermes block) cannot b
 the stream ends that call there and reads on as text, while the whole parse leaves the block in
 the content. A forced call (below) rules that out.
 
+Cost: whole and streamed, linear in the text, however it is split into deltas. The stream holds
+back at most a whitespace run plus the longest tag's length, or a call object until it commits
+(``engine.entrypoints.server.stream_text``: held text as pieces, never re-sliced or re-stripped);
+what it held is read again when it turns out to be no call (a character a bounded number of
+times: a block's text can hold another block's tag only inside its name); a call object's
+characters cost O(1) each (``CallScanner``).
+
 Forced (``tool_parser(..., forced=True)``, ``ForcedCallParser``): with ``tool_choice`` required or
 named the grammar has the model write exactly ``call_prefix`` + one call object + ``call_suffix``,
 so the output is that call and never content (``content`` is always ``None``, and no content
@@ -46,14 +53,13 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Callable
 
 from engine.entrypoints.server.call_object import CallScanner, parse_call
 from engine.entrypoints.server.json_stream import WS
-from engine.entrypoints.server.stream_text import Deltas, TagWatch
+from engine.entrypoints.server.stream_text import Deltas, Reader, TagWatch, skip_ws
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -74,35 +80,33 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _skip_ws(text: str, pos: int) -> int:
-    return len(text) - len(text[pos:].lstrip(WS))
-
-
-class _Stream:
-    """What the format streams share: the characters still to read (text pushed back to be read
-    again goes first), the deltas, and the call being read, announced once committed. A format
-    defines ``_step(ch)`` (read one character) and ``finish()`` (the deltas for what it held back
-    at the end of the output). A call object names one of ``names`` (``None``: any)."""
+class _Stream(Reader):
+    """What the format streams share: the text still to read (``Reader``), the deltas, and the
+    call being read, announced once committed. A format defines ``_read(text, pos)`` (read some of
+    ``text`` from ``pos``, return where it stopped) and ``finish()`` (the deltas for what it held
+    back at the end of the output). A call object names one of ``names`` (``None``: any)."""
 
     def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
+        super().__init__()
         self._new_id, self._names = new_id, names
         self._deltas = Deltas()
-        self._pending: deque[str] = deque()
         self._calls = 0                      # calls announced so far
         self._call: CallScanner | None = None
 
     def feed(self, delta: str) -> list[dict]:
         """The deltas that the next text of the output makes certain."""
-        self._pending.extend(delta)
-        self._run()
+        self._run(delta)
         return self._deltas.take()
 
-    def _run(self) -> None:
-        while self._pending:
-            self._step(self._pending.popleft())
-
-    def _read_again(self, text: str) -> None:
-        self._pending.extendleft(reversed(text))
+    def _read_call(self, text: str, pos: int) -> tuple[int, bool]:
+        """``text`` from ``pos`` into the current call until it is done, breaks or the text ends:
+        where it stopped, and whether it broke (on ``text[end]``, which is not read)."""
+        for end in range(pos, len(text)):
+            if not self._push_call(text[end]):
+                return end, True
+            if self._call.done:
+                return end + 1, False
+        return len(text), False
 
     def _push_call(self, ch: str) -> bool:
         """``ch`` into the current call; announces it when it commits, emits its argument text.
@@ -139,14 +143,14 @@ class HermesToolParser:
                 continue
             content.append(text[pos:start].rstrip(WS))
             calls.append(ToolCall(self.new_id(), call[0], call[1]))
-            pos = _skip_ws(text, end)
+            pos = skip_ws(text, end)
         content.append(text[pos:])
         return "".join(content) or None, calls
 
     def _block_end(self, text: str, pos: int) -> int | None:
         """Past the closing tag after the call object ending at ``pos`` (or the end of the text
         when only whitespace follows); ``None`` when something else follows."""
-        after = _skip_ws(text, pos)
+        after = skip_ws(text, pos)
         if text.startswith(self.CLOSE, after):
             return after + len(self.CLOSE)
         return len(text) if after == len(text) else None
@@ -162,47 +166,48 @@ class HermesStream(_Stream):
     def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
         super().__init__(new_id, names)
         self._to_text(strip=False)
-        self._opening = ""   # the held whitespace and <tool_call> tag of the block being read
-        self._raw = ""       # the block's text after its tag, until the call commits
+        self._opening = ""            # the held whitespace and <tool_call> tag of the block being read
+        self._raw: list[str] = []     # the block's text after its tag, until the call commits
 
     def _to_text(self, strip: bool) -> None:
         self._mode, self._watch = "text", TagWatch(HermesToolParser.OPEN, strip_leading=strip)
 
-    def _step(self, ch: str) -> None:
+    def _read(self, text: str, pos: int) -> int:
         if self._mode == "text":
-            released, found = self._watch.push(ch)
+            released, end, found = self._watch.feed(text, pos)
             self._deltas.text("content", released)
             if found:
-                self._mode, self._opening, self._raw = "call", self._watch.held, ""
+                self._mode, self._opening, self._raw = "call", self._watch.held, []
                 self._call = CallScanner(self._names)
         elif self._mode == "call":
+            end, broke = self._read_call(text, pos)
             if not self._call.committed:
-                self._raw += ch
-            if not self._push_call(ch):
-                self._break(ch)
+                self._raw.append(text[pos:end])
+            if broke:
+                self._break()
             elif self._call.done:
                 self._mode, self._watch = "end", TagWatch(HermesToolParser.CLOSE)
         else:
-            released, found = self._watch.push(ch)
+            released, end, found = self._watch.feed(text, pos, once=True)
             if found:
                 self._to_text(strip=True)
             elif released:  # not the closing tag: the block is broken after its call was announced
                 self._read_again(released + self._watch.held)
                 self._to_text(strip=True)
+        return end
 
-    def _break(self, ch: str = "") -> None:
-        """The call object broke on ``ch`` (or at the end of the output): before it committed, its
-        tag is content and the text after the tag is read again; after, the text reads on from ``ch``."""
-        if self._call.committed:
-            self._read_again(ch)
-        else:
+    def _break(self) -> None:
+        """The call object broke (on the next character to read, or at the end of the output): before
+        it committed, its tag is content and the text after the tag is read again; after, the text
+        reads on from that character."""
+        if not self._call.committed:
             self._deltas.text("content", self._opening)
-            self._read_again(self._raw)
+            self._read_again("".join(self._raw))
         self._to_text(strip=False)
 
     def finish(self) -> list[dict]:
         while (self._mode == "call" and not self._call.committed) or \
-                (self._mode == "end" and self._watch.held.strip(WS)):
+                (self._mode == "end" and self._watch.holds_tag_start):
             if self._mode == "call":
                 self._break()
             else:  # a partial closing tag at the end
@@ -224,15 +229,15 @@ class Llama3JsonToolParser:
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls, rest = [], 0  # rest: where the content starts
-        pos = _skip_ws(text, 0)
+        pos = skip_ws(text, 0)
         if text.startswith(self.PYTHON_TAG, pos):
-            pos = _skip_ws(text, pos + len(self.PYTHON_TAG))
+            pos = skip_ws(text, pos + len(self.PYTHON_TAG))
         while text.startswith("{", pos) and (call := parse_call(text, pos, self.names)) is not None:
             calls.append(ToolCall(self.new_id(), call[0], call[1]))
-            rest = pos = _skip_ws(text, call[2])
+            rest = pos = skip_ws(text, call[2])
             if not text.startswith(";", pos):
                 break
-            pos = _skip_ws(text, pos + 1)
+            pos = skip_ws(text, pos + 1)
         return text[rest:] or None, calls
 
     def stream(self) -> Llama3JsonStream:
@@ -242,53 +247,59 @@ class Llama3JsonToolParser:
 class Llama3JsonStream(_Stream):
     """The llama3_json format read as it streams. Modes: start (whitespace and the python tag),
     call, after (a call ended), separator (after ``;``), text (the rest is content). ``_held`` is
-    the text since the last call (or the start) while it may still lead to a call."""
+    the text since the last call (or the start) while it may still lead to a call, as pieces;
+    ``_tag`` counts the python tag's characters read in the start mode."""
 
     def __init__(self, new_id: Callable[[], str], names: Container[str] | None):
         super().__init__(new_id, names)
-        self._mode, self._held = "start", ""
+        self._mode, self._held, self._tag = "start", [], 0
 
-    def _step(self, ch: str) -> None:
-        if self._mode == "text":
-            self._deltas.text("content", ch)
-        elif self._mode == "call":
-            if not self._call.committed:
-                self._held += ch
-            if not self._push_call(ch):
-                self._to_text(ch if self._call.committed else self._held)
-            elif self._call.done:
-                self._mode, self._call, self._held = "after", None, ""
-        elif self._mode == "after":
-            if ch == ";":
-                self._mode, self._held = "separator", ch
-            elif ch not in WS:
-                self._to_text(ch)
-        elif ch == "{" and (self._mode == "separator" or self._opens_calls(self._held)):
-            self._mode, self._call = "call", CallScanner(self._names)
-            self._step(ch)
-        else:
-            self._held += ch
-            if not (ch in WS if self._mode == "separator" else self._may_open_calls(self._held)):
-                self._to_text(self._held)
-
-    @staticmethod
-    def _opens_calls(text: str) -> bool:
-        """Whitespace, or whitespace, the python tag and whitespace: a ``{`` after it opens the calls."""
-        rest = text.lstrip(WS)
+    def _read(self, text: str, pos: int) -> int:
         tag = Llama3JsonToolParser.PYTHON_TAG
-        return rest == "" or rest.startswith(tag) and not rest[len(tag):].strip(WS)
-
-    @classmethod
-    def _may_open_calls(cls, text: str) -> bool:
-        return cls._opens_calls(text) or Llama3JsonToolParser.PYTHON_TAG.startswith(text.lstrip(WS))
+        if self._mode == "text":
+            self._deltas.text("content", text[pos:])
+            return len(text)
+        if self._mode == "call":
+            end, broke = self._read_call(text, pos)
+            if not self._call.committed:
+                self._held.append(text[pos:end])
+            if broke:  # the breaking character is content, and before the call committed what it held
+                self._to_text("" if self._call.committed else "".join(self._held))
+            elif self._call.done:
+                self._mode, self._call, self._held = "after", None, []
+            return end
+        if self._mode == "after":
+            end = skip_ws(text, pos)
+            if end < len(text):
+                if text[end] != ";":
+                    self._to_text("")
+                    return end
+                self._mode, self._held, end = "separator", [";"], end + 1
+            return end
+        # start or separator: whitespace (in the start, around the python tag), then "{" opens a call
+        between_tokens = self._mode == "separator" or self._tag in (0, len(tag))
+        end = skip_ws(text, pos) if between_tokens else pos
+        self._held.append(text[pos:end])
+        if end == len(text):
+            return end
+        ch = text[end]
+        if ch == "{" and between_tokens:
+            self._mode, self._call = "call", CallScanner(self._names)
+        elif self._mode == "start" and self._tag < len(tag) and ch == tag[self._tag]:
+            self._tag += 1
+            self._held.append(ch)
+            end += 1
+        else:  # no call: what was held and the rest are content
+            self._to_text("".join(self._held))
+        return end
 
     def _to_text(self, released: str) -> None:
         self._deltas.text("content", released)
-        self._mode, self._held = "text", ""
+        self._mode, self._held = "text", []
 
     def finish(self) -> list[dict]:
         if self._mode in ("start", "separator") or self._mode == "call" and not self._call.committed:
-            self._to_text(self._held)
+            self._to_text("".join(self._held))
         return self._deltas.take()
 
 
@@ -356,6 +367,8 @@ class ForcedCallStream:
 
     def feed(self, delta: str) -> list[dict]:
         for ch in delta:
+            if not self._reading:  # the rest (the suffix) is not read
+                break
             self._step(ch)
         return self._deltas.take()
 
