@@ -99,6 +99,20 @@ def test_keys_that_are_not_ascii_are_wrong_keys_never_errors():
         assert call(url + "/v1/models", headers={"x-api-key": "caf\xe9"})[0] == 401
 
 
+def test_the_first_key_given_is_the_one_checked():
+    """The first non-empty of ``Authorization: Bearer`` and ``x-api-key`` is the key: an empty
+    Bearer beside the right ``x-api-key`` passes; a non-empty Bearer is checked whatever
+    ``x-api-key`` holds (a wrong one is a 401 beside the right ``x-api-key``)."""
+    with serving([api_key_middleware(KEY)]) as url:
+        for headers, status in [({"Authorization": "Bearer ", "x-api-key": KEY}, 200),
+                                ({"Authorization": "Bearer  ", "x-api-key": KEY}, 200),
+                                ({"Authorization": f"Bearer {KEY}", "x-api-key": "wrong-key"}, 200),
+                                ({"Authorization": f"Basic {KEY}", "x-api-key": KEY}, 200),
+                                ({"Authorization": "Bearer wrong-key", "x-api-key": KEY}, 401),
+                                ({"Authorization": "Bearer ", "x-api-key": ""}, 401)]:
+            assert call(url + "/v1/models", headers=headers)[0] == status, headers
+
+
 def test_an_empty_key_is_refused():
     with pytest.raises(ValueError, match="must not be empty"):
         api_key_middleware("")

@@ -2,8 +2,9 @@
 
 ``api_key_middleware(key)``: every route (``/v1/*``, ``/tokenize``, ``/detokenize``) answers 401
 unless the request carries ``Authorization: Bearer <key>`` or, as Anthropic's clients send it,
-``x-api-key: <key>`` (compared in constant time, as bytes: a header that is not ASCII is just a
-wrong key); the error is an OpenAI error object, or Anthropic's on ``ANTHROPIC_ROUTES``.
+``x-api-key: <key>`` (the first of the two that is not empty is the key given; compared in
+constant time, as bytes: a header that is not ASCII is just a wrong key); the error is an OpenAI
+error object, or Anthropic's on ``ANTHROPIC_ROUTES``.
 ``OPEN_ROUTES`` (``/health``, ``/metrics``, ``/version``) stay open, as do ``OPTIONS`` preflights.
 ``cors_middleware(origins)``: answers a browser's preflight and adds ``Access-Control-Allow-*``
 headers for the listed origins (``*`` for any); without it (the default) no CORS header is sent
@@ -24,12 +25,6 @@ CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 
 
-def client_of(request: web.Request) -> str:
-    """Who sent ``request``, as fair sharing tells clients apart (the engine's admission, the grammar
-    compile queue): its peer address."""
-    return request.remote or ""
-
-
 def anthropic_error(status: int, message: str) -> dict:
     """Anthropic's error object for an HTTP ``status``."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -47,6 +42,16 @@ def _unauthorized(request: web.Request, message: str) -> web.Response:
     return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+def _credential(request: web.Request) -> str:
+    """The key ``request`` gives: the first non-empty of its ``Authorization: Bearer <key>`` and its
+    ``x-api-key`` ("" when neither holds one). An empty Bearer beside an ``x-api-key`` is no key
+    at all; a non-empty one is the key, right or wrong, whatever ``x-api-key`` holds (one
+    credential per request: a client cannot try a second key in the same request)."""
+    scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+    bearer = bearer.strip() if scheme.lower() == "bearer" else ""
+    return bearer or request.headers.get("x-api-key", "").strip()
+
+
 def api_key_middleware(key: str):
     """A middleware refusing requests (but to ``OPEN_ROUTES``) without ``Authorization: Bearer key``
     or ``x-api-key: key`` (401)."""
@@ -58,8 +63,7 @@ def api_key_middleware(key: str):
     async def check_api_key(request: web.Request, handler):
         if request.method == "OPTIONS" or request.path in OPEN_ROUTES:
             return await handler(request)
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        given = _credential(request)
         if not given:
             return _unauthorized(request, "missing API key: send the header 'Authorization: Bearer <key>' "
                                           "(or 'x-api-key: <key>')")
