@@ -11,13 +11,14 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from http.client import HTTPConnection
+from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Callable
 
@@ -226,13 +227,130 @@ def http(url: str, body: bytes | dict | None = None, method: str | None = None) 
         return e.code, e.read()
 
 
+def names_field(named: str | None, param: str) -> bool:
+    """An error's ``named`` path is the field ``param`` or a part of it (``stop[0]`` of ``stop``)."""
+    return named is not None and (named == param or named.startswith((param + ".", param + "[")))
+
+
 def assert_error_object(raw: bytes, param: str | None = None, code: str | None = None) -> dict:
-    """``raw`` is an OpenAI error object (with this param / code when given); returns its error."""
+    """``raw`` is an OpenAI error object (naming this param, or a part of it, and with this code
+    when given); returns its error."""
     error = json.loads(raw)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
-    assert param is None or error["param"] == param, error
+    assert param is None or names_field(error["param"], param), error
     assert code is None or error["code"] == code, error
     return error
+
+
+# What a malformed client puts where a value belongs: each kind of JSON value, the unhashable ones first
+# (a list or an object where a string belongs was a 500 on five routes: a membership test raised TypeError).
+MALFORMED = ([], {}, -3, 1.5, "x", True, None)
+
+
+def malformed_bodies(body: dict):
+    """``(path, body with the value at path replaced)`` for every value inside ``body`` (objects'
+    values and arrays' items, at any depth) and each of ``MALFORMED``: the fuzz of issue 57."""
+    def paths(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield from paths(item, f"{path}.{key}" if path else key)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from paths(item, f"{path}[{i}]")
+        if path:
+            yield path
+
+    for path in list(paths(body, "")):
+        for bad in MALFORMED:
+            changed = json.loads(json.dumps(body))
+            parent, key = _parent(changed, path)
+            parent[key] = bad
+            yield path, changed
+
+
+def _parent(body, path: str):
+    steps = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    value = body
+    for step in steps[:-1]:
+        value = value[int(step[1:-1])] if step.startswith("[") else value[step]
+    last = steps[-1]
+    return value, int(last[1:-1]) if last.startswith("[") else last
+
+
+def path_in(body, path: str, required: frozenset[str] = frozenset()) -> bool:
+    """``path`` names a value of ``body``, or a field named in ``required`` missing from one of its
+    objects: the client's own field, never one the server made from it."""
+    value = body
+    steps = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    for i, step in enumerate(steps):
+        if step.startswith("[") and isinstance(value, list) and int(step[1:-1]) < len(value):
+            value = value[int(step[1:-1])]
+        elif isinstance(value, dict) and step in value:
+            value = value[step]
+        else:
+            return i == len(steps) - 1 and isinstance(value, dict) and step in required
+    return True
+
+
+def assert_malformed_refused(url: str, route: str, body: dict, required: set[str], anthropic: bool = False) -> int:
+    """Every malformed value of ``body`` (``malformed_bodies``) posted to ``route`` is answered 200
+    or a 4xx error object in the route's shape (Anthropic's with ``anthropic``) naming a path of
+    what the client sent (or a ``required`` field it left out), never a 500; returns how many were
+    refused."""
+    refused, required = 0, frozenset(required)
+    for path, changed in malformed_bodies(body):
+        status, raw = http(url + route, changed)
+        assert status == 200 or 400 <= status < 500, (route, path, changed, status, raw[:300])
+        if status == 200:
+            continue
+        refused += 1
+        answer = json.loads(raw)
+        if anthropic:
+            assert answer["type"] == "error" and set(answer["error"]) == {"type", "message"}, (path, answer)
+            named = re.match(r"'([^']+)'", answer["error"]["message"])
+            named = named and named.group(1)
+        else:
+            named = assert_error_object(raw)["param"]
+        assert named is None or path_in(changed, named, required), (route, path, named, answer)
+    return refused
+
+
+def costly_tools(count: int = 128, properties: int = 150) -> list[dict]:
+    """``count`` distinct function tools of ``properties`` described properties each: 128 x 150 is
+    about 2.6 MiB of JSON, under every cap, whose schema checks and rendering cost 40-77 s of pure
+    Python per request before issue 57."""
+    def field(t: int, i: int) -> dict:
+        return {"type": "string", "description": f"the field {i} of tool {t}, one of three",
+                "enum": [f"v{t}-{i}-{j}" for j in range(3)]}
+
+    return [{"type": "function", "function": {"name": f"tool_{t}", "description": f"tool number {t}", "parameters": {
+        "type": "object", "properties": {f"field_{t}_{i}": field(t, i) for i in range(properties)}}}}
+            for t in range(count)]
+
+
+def post_reading_early(url: str, path: str, raw: bytes) -> tuple[int, bytes]:
+    """POST ``raw`` as the SDKs and curl do: reading an answer that comes while the body is still
+    being sent (a 413 before the rest is read, the connection then closed). The status and body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode())
+        try:
+            for i in range(0, len(raw), 1 << 20):
+                sock.sendall(raw[i:i + (1 << 20)])
+        except OSError:  # the server answered and closed: the answer is still there to read
+            pass
+        response = HTTPResponse(sock)
+        response.begin()
+        return response.status, response.read()
+
+
+def send_and_leave(url: str, path: str, raw: bytes) -> None:
+    """POST ``raw`` to ``path`` and close the connection at once, answer unread: a client that goes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
 
 
 # An attack may slow a good client (it takes a core off-loop) but never stall it: the longest wait for
@@ -262,15 +380,22 @@ class Witness:
         """Stream the completion; ``during()`` (an attack) runs on a thread once the first chunk
         has come (``first``: before the witness sends its request, so the attack is in the server
         first), overlapping the stream. Returns the text, the stream's seconds, the longest wait
-        for a chunk (the first's counted from the request) and what ``during`` returned (waited for)."""
+        for a chunk (the first's counted from the request) and what ``during`` returned (waited
+        for; what it raised is raised here)."""
         body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         result: list = []
         thread = None
 
+        def attack():
+            try:
+                result.append(during())
+            except BaseException as e:  # raised here, once the stream has been measured
+                result.append(e)
+
         def start_attack():
             nonlocal thread
-            thread = threading.Thread(target=lambda: result.append(during()), daemon=True)
+            thread = threading.Thread(target=attack, daemon=True)
             thread.start()
 
         if during is not None and first:
@@ -299,6 +424,8 @@ class Witness:
         if thread is not None:
             thread.join(HANG_GUARD_S)
             assert not thread.is_alive(), "the attack never finished"
+        if result and isinstance(result[0], BaseException):
+            raise result[0]
         text = "".join(parts)
         assert self.text is None or text == self.text, "a good client's greedy output changed"
         self.text = text

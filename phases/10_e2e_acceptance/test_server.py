@@ -372,7 +372,8 @@ def test_tokenize_detokenize_and_version(served, client, model_dir):
     status, raw = http(served.url + "/version", method="GET")
     declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
     assert status == 200 and json.loads(raw) == {"version": declared}
-    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+    both = {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", both, "prompt"),
                               ("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": "x"}, "messages"),
                               ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
                               ("/detokenize", {"tokens": [VOCAB]}, "tokens"),

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from agent_cases import TOOLS, TOOLS_TEMPLATE
+from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.core.llm_engine import LLMEngine
 from engine.scheduling.structured.compiler import GrammarCompiler
 
@@ -115,3 +115,95 @@ def test_slow_grammars_cannot_starve_another_clients_schema(served, witness):
     assert good[0] == 200, good
     jsonschema.validate(json.loads(good[1]["choices"][0]["message"]["content"]), small)
     server_cases.wait_idle(served.engine_loop)
+
+
+PARAMETERS = TOOLS[0]["function"]["parameters"]
+AGENT_CASES = [  # (route, a good body, the fields a client may have left out, Anthropic's error shape)
+    ("/v1/chat/completions", {**ask(max_tokens=4), "messages": [*HISTORY, {"role": "user", "content": "thanks"}],
+                              "tools": TOOLS[:1], "tool_choice": "auto", "parallel_tool_calls": False,
+                              "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"},
+     {"messages", "role", "content", "type", "function", "name", "arguments", "id", "tool_call_id"}, False),
+    ("/v1/responses", {"model": "tiny", "instructions": "be brief", "max_output_tokens": 4, "temperature": 0,
+                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                                 {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                  "arguments": '{"city": "Paris"}'},
+                                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}],
+                       "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}],
+                       "tool_choice": "auto", "text": {"format": {"type": "text"}}, "reasoning": {"effort": "low"},
+                       "metadata": {"k": "v"}, "store": False},
+     {"input", "role", "content", "type", "text", "call_id", "name", "arguments", "output"}, False),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "temperature": 0, "system": [{"type": "text", "text": "hi"}],
+                      "messages": [{"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "content": [
+                                       {"type": "text", "text": "checking"},
+                                       {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                        "input": {"city": "Paris"}}]},
+                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                 "content": "18 C"}]}],
+                      "tools": [{"name": "get_weather", "description": "weather", "input_schema": PARAMETERS}],
+                      "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
+                      "output_config": {"effort": "low"}, "stop_sequences": ["\n\n"], "metadata": {"user_id": "u"}},
+     {"messages", "max_tokens", "role", "content", "type", "text", "id", "name", "tool_use_id"}, True),
+]
+
+
+def test_every_malformed_value_is_a_4xx_in_the_routes_shape_naming_the_clients_field(served, witness):
+    """Each value of a chat (tools, a call history), Responses, Messages and count_tokens body
+    replaced by an array, an object, a number, a string, a boolean or null (a list or an object
+    where a string belongs was a 500: role, content[].type, thinking.type, output_config.effort):
+    answered, or a 4xx error object in the route's shape (Anthropic's on /v1/messages) naming the
+    field the client sent -- never a field the server made of it (max_completion_tokens,
+    response_format, stop) -- and never a 500, beside a good stream."""
+    cases = AGENT_CASES + [("/v1/messages/count_tokens", {k: v for k, v in AGENT_CASES[2][1].items()
+                                                          if k != "max_tokens"}, AGENT_CASES[2][2], True)]
+
+    def attack() -> list[int]:
+        return [server_cases.assert_malformed_refused(served.url, route, body, required, anthropic)
+                for route, body, required, anthropic in cases]
+
+    assert all(witness.beside(attack))
+    server_cases.wait_idle(served.engine_loop)
+
+
+def test_a_failure_of_the_server_is_a_500_in_the_routes_shape(served, monkeypatch):
+    """A failure of the server's own while reading a request is a 500 error object in the shape of
+    the route's API: Anthropic's on /v1/messages (and count_tokens), OpenAI's elsewhere."""
+    def broken(request):
+        raise RuntimeError("a planted failure")
+
+    monkeypatch.setattr(served.server.protocol, "chat", broken)
+    body = AGENT_CASES[2][1]
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        status, raw = server_cases.http(served.url + route, body)
+        answer = json.loads(raw)
+        assert status == 500 and answer["type"] == "error" and answer["error"]["type"] == "api_error", answer
+    status, raw = server_cases.http(served.url + "/v1/chat/completions", ask())
+    assert status == 500 and server_cases.assert_error_object(raw)["type"] == "server_error"
+
+
+def test_a_costly_request_that_cannot_fit_is_refused_before_it_is_paid(served, witness):
+    """128 tools of 150 properties (2.6 MiB, under every cap) cannot fit this server's 1,024-token
+    context: the tools' JSON is counted against the length bound before any schema is checked or
+    the template rendered, a 400 naming tools (context_length_exceeded) at once, beside a good stream."""
+    raw = json.dumps(ask(tools=server_cases.costly_tools())).encode()
+    status, body = witness.beside(lambda: post(served.url, raw))
+    assert status == 400 and body["error"]["param"] == "tools", body
+    assert body["error"]["code"] == "context_length_exceeded" and "1024" in body["error"]["message"], body
+
+
+def test_each_distinct_schema_is_checked_once(monkeypatch):
+    """The meta-schema check of a schema runs once while its answer is cached (agents send the same
+    tools with every turn), again for a schema that differs, and a cached refusal stays a refusal."""
+    import jsonschema_rs
+
+    from engine.scheduling.structured import spec
+
+    checked = []
+    real = jsonschema_rs.meta.validate
+    monkeypatch.setattr(jsonschema_rs.meta, "validate", lambda schema: checked.append(schema) or real(schema))
+    good = {"type": "object", "properties": {"city": {"type": "string", "description": "checked once, 57"}}}
+    bad = {"type": "object", "properties": {"city": {"type": "strin", "description": "checked once, 57"}}}
+    assert [spec.schema_problem(good) for _ in range(3)] == [None] * 3 and len(checked) == 1
+    assert spec.schema_problem(json.loads(json.dumps(good))) is None and len(checked) == 1  # equal, not the same
+    problems = [spec.schema_problem(bad) for _ in range(2)]
+    assert problems[0] is not None and problems[0] == problems[1] and len(checked) == 2

@@ -13,8 +13,10 @@ from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.core.llm_engine import load_tokenizer
 from engine.core.sampling_defaults import OPENAI, sampling_defaults
+from engine.entrypoints.server.openai_types import ChatRequest, CompletionRequest, TokenizeRequest
 from engine.entrypoints.server.protocol import OpenAIProtocol
 from engine.entrypoints.server.request_body import APIError
+from engine.entrypoints.server.request_model import validated
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +24,21 @@ def tokenizer():
     return load_tokenizer(DEFAULT_MODEL_DIR)
 
 
+class BodyProtocol(OpenAIProtocol):
+    """The protocol given request bodies as the server gives them: typed by the API's model first."""
+
+    def chat(self, body):
+        return super().chat(validated(ChatRequest, body, self.limits))
+
+    def completion(self, body):
+        return super().completion(validated(CompletionRequest, body, self.limits))
+
+    def tokenize(self, body):
+        return super().tokenize(validated(TokenizeRequest, body, self.limits))
+
+
 def protocol(tokenizer, **options) -> OpenAIProtocol:
-    return OpenAIProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, **options)
+    return BodyProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, **options)
 
 
 def refused(proto: OpenAIProtocol, body: dict, chat: bool = True) -> APIError:
@@ -79,8 +94,8 @@ def test_tool_errors_name_the_field(tokenizer):
     }
     for param, body in cases.items():
         assert refused(proto, {"messages": HISTORY[:1], **body}).param == param
-    for messages in (None, "x", [], ["x"]):
-        assert refused(proto, {"messages": messages, "tools": TOOLS}).param == "messages"
+    for messages, param in ((None, "messages"), ("x", "messages"), ([], "messages"), (["x"], "messages[0]")):
+        assert refused(proto, {"messages": messages, "tools": TOOLS}).param == param
     both = refused(proto, {"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": "required",
                            "response_format": {"type": "json_object"}})
     assert both.param == "tool_choice"
@@ -183,8 +198,8 @@ def test_the_tool_call_parser_defaults_to_the_architectures(tokenizer):
     """No parser named: a tools request is read by the architecture's (Qwen: hermes, Llama:
     llama3_json); an architecture without one refuses tools, naming the field."""
     def default(architecture):
-        return OpenAIProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, tool_call_parser=None,
-                              architecture=architecture)
+        return BodyProtocol(tokenizer, "m", 1024, 8192, chat_template=TOOLS_TEMPLATE, tool_call_parser=None,
+                            architecture=architecture)
 
     for architecture, name in (("Qwen3ForCausalLM", "hermes"), ("LlamaForCausalLM", "llama3_json")):
         assert default(architecture).chat({"messages": HISTORY[:1], "tools": TOOLS}).parsing.tools == name

@@ -184,7 +184,7 @@ def test_specs_are_canonical_hashable_and_keyed():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      "response_format.json_schema.schema", "JSON Schema object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-     "response_format.json_schema.schema", "not a valid JSON Schema at type"),
+     "response_format.json_schema.schema", "not a valid JSON Schema: at type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"minimum": "zero"}}}}}},
      "response_format.json_schema.schema", "at properties/a/minimum"),
@@ -627,6 +627,9 @@ def test_a_forced_tool_call_parses_and_validates(compiler, tokenizer, eos, parse
     prefix, the call object's schema, its suffix) makes every output one call that the same
     parser reads whole, naming a tool of the request, its arguments valid for its parameters."""
     from agent_cases import TOOLS
+    from engine.entrypoints.server.openai_types import ChatRequest
+    from engine.entrypoints.server.request_body import RequestLimits
+    from engine.entrypoints.server.request_model import validated
     from engine.entrypoints.server.tool_parsers import tool_parser
     from engine.entrypoints.server.tools import call_schema, validate_tools
     from engine.scheduling.structured.spec import tool_call_spec
@@ -634,7 +637,7 @@ def test_a_forced_tool_call_parses_and_validates(compiler, tokenizer, eos, parse
     body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
             "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}}
     parser = tool_parser(parser_name)
-    request = validate_tools(body)
+    request = validate_tools(validated(ChatRequest, body, RequestLimits()))
     compiled = compiler.compile(tool_call_spec(parser.call_prefix, call_schema(request, parser.arguments_key),
                                                parser.call_suffix))
     parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

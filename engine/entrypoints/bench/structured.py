@@ -100,6 +100,9 @@ def validate(workload: str, result) -> str | None:
 def workload_spec(workload: str, architecture: str):
     """The ``StructuredSpec`` the server compiles for the workload's constrained requests (for
     tools, as ``OpenAIProtocol`` builds it with the architecture's default tool-call parser)."""
+    from engine.entrypoints.server.openai_types import ChatRequest
+    from engine.entrypoints.server.request_body import RequestLimits
+    from engine.entrypoints.server.request_model import validated
     from engine.entrypoints.server.tool_parsers import default_tool_parser, tool_parser
     from engine.entrypoints.server.tools import call_schema, validate_tools
     from engine.scheduling.structured.spec import spec_from_request, tool_call_spec
@@ -107,7 +110,8 @@ def workload_spec(workload: str, architecture: str):
     if workload == "json_schema":
         return spec_from_request({"response_format": RESPONSE_FORMAT})
     parser = tool_parser(default_tool_parser(architecture))
-    tools = validate_tools({"tools": TOOLS, "tool_choice": "required"})
+    tools = validate_tools(validated(ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                                   "tool_choice": "required"}, RequestLimits()))
     return tool_call_spec(parser.call_prefix, call_schema(tools, parser.arguments_key), parser.call_suffix)
 
 

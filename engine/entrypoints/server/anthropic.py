@@ -1,8 +1,11 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, as the
 anthropic SDK and Claude Code call them.
 
-A request is read as the chat request it amounts to (``chat_body``) and takes the chat path to the
-engine; only its shapes are its own:
+A request arrives typed (``anthropic_types.MessagesRequest``) and is read as the chat request it
+amounts to (``chat_body``), which takes the chat path to the engine; every error of that reading
+names the client's own field (``stop_sequences``, ``messages[2].content[1].input``,
+``tools[0].input_schema``), and every answer of these routes that is an error, a 500 included,
+is Anthropic's error object. Only its shapes are its own:
 
 - ``system``: a string or text blocks; ``messages``: ``user`` / ``assistant`` turns whose content
   is a string or blocks: ``text``, ``tool_use`` (``id``, ``name``, ``input``: the assistant's
@@ -25,7 +28,7 @@ engine; only its shapes are its own:
   ``message_stop``; a failure mid-stream is an ``error`` event.
 
 The API key may come as ``x-api-key`` (``engine.entrypoints.server.access``); ``anthropic-version`` and
-``anthropic-beta`` headers are accepted. Errors on these routes are Anthropic's error objects.
+``anthropic-beta`` headers are accepted.
 """
 from __future__ import annotations
 
@@ -36,7 +39,17 @@ from typing import Any
 from aiohttp import web
 
 from engine.entrypoints.server.access import anthropic_error
+from engine.entrypoints.server.anthropic_types import (
+    EFFORTS,
+    MessagesRequest,
+    TextBlock,
+    Tool,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from engine.entrypoints.server.generation import Generation, sse_response
+from engine.entrypoints.server.openai_types import ChatRequest
 from engine.entrypoints.server.output_blocks import (
     Block,
     BlockStream,
@@ -47,209 +60,155 @@ from engine.entrypoints.server.output_blocks import (
     whole_blocks,
 )
 from engine.entrypoints.server.protocol import GenerationRequest, OpenAIProtocol, usage
-from engine.entrypoints.server.request_body import APIError, check_fields, field, shown
+from engine.entrypoints.server.request_body import APIError
+from engine.entrypoints.server.request_model import PathMap, validated
 
-HONOURED = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-            "tools", "tool_choice", "thinking", "output_config", "output_format"}
-IGNORED = {"metadata", "service_tier", "context_management", "cache_control", "diagnostics", "inference_geo", "speed",
-           "user_profile_id", "workspace_id"}
-REFUSED = {"mcp_servers": (None, []), "container": (None,)}
-TOOL_FIELDS = {"name", "description", "input_schema", "type", "strict", "cache_control", "defer_loading",
-               "eager_input_streaming", "input_examples", "allowed_callers"}  # the first four are read
-THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
-EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}  # -> reasoning_effort
+THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}  # -> enable_thinking
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def chat_body(body: dict, protocol: OpenAIProtocol, counting: bool = False) -> dict:
-    """The chat completions body a Messages request amounts to (``counting``: a count_tokens body,
-    which has no max_tokens); a 400 naming the field that cannot be read."""
-    check_fields(body, HONOURED | IGNORED, REFUSED)
-    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream")
-                            if body.get(k) is not None}
-    if not counting:
-        if body.get("max_tokens") is None:
-            raise APIError(400, "'max_tokens' is required", param="max_tokens")
-        chat["max_tokens"] = body["max_tokens"]
-    chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"), protocol)
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
-    tools = body.get("tools")
-    if tools is not None:
-        chat["tools"] = [_tool(t, i) for i, t in enumerate(protocol.limits.check(field(body, "tools", list), "tools",
-                                                                                 "tools"))]
-    if body.get("tool_choice") is not None:
-        chat.update(_tool_choice(field(body, "tool_choice", dict)))
-    thinking = field(body, "thinking", dict)
-    if thinking is not None:
-        if thinking.get("type") not in THINKING:
-            raise APIError(400, f"'thinking.type' must be one of {', '.join(THINKING)}", param="thinking.type")
-        template = protocol.chat_template or protocol.tokenizer.chat_template
-        if isinstance(template, str) and "enable_thinking" in template:
-            chat["chat_template_kwargs"] = {"enable_thinking": THINKING[thinking["type"]]}
-    chat.update(_output(field(body, "output_config", dict, {}), body.get("output_format")))
-    return chat
-
-
-def _output(config: dict, output_format: Any) -> dict:
-    """``output_config`` (``effort``, ``format``) and the older ``output_format`` as chat fields."""
-    chat: dict[str, Any] = {}
-    effort = config.get("effort")
-    if effort is not None:
-        if effort not in EFFORTS:
-            raise APIError(400, f"'output_config.effort' must be one of {', '.join(EFFORTS)}",
-                           param="output_config.effort")
-        chat["reasoning_effort"] = EFFORTS[effort]
-    fmt = config.get("format") if config.get("format") is not None else output_format
+def chat_body(req: MessagesRequest, template: Any) -> tuple[dict, PathMap]:
+    """The chat completions body a Messages request amounts to (``template``: the chat template, to
+    know whether it reads ``enable_thinking``), and where each of its fields came from in the
+    client's request."""
+    paths = PathMap()
+    chat: dict[str, Any] = {k: getattr(req, k) for k in ("model", "temperature", "top_p", "top_k", "stream",
+                                                         "max_tokens") if getattr(req, k) is not None}
+    chat["messages"] = _messages(req, paths)
+    if req.stop_sequences is not None:
+        chat["stop"] = req.stop_sequences
+        paths.add("stop", "stop_sequences")
+    if req.tools is not None:
+        chat["tools"] = [_tool(t) for t in req.tools]
+        for i in range(len(req.tools)):
+            paths.add(f"tools[{i}].function.parameters", f"tools[{i}].input_schema")
+            paths.add(f"tools[{i}].function", f"tools[{i}]")
+    if req.tool_choice is not None:
+        chat.update(_tool_choice(req.tool_choice))
+        paths.add("tool_choice.function", "tool_choice")
+        paths.add("parallel_tool_calls", "tool_choice.disable_parallel_tool_use")
+    if req.thinking is not None and isinstance(template, str) and "enable_thinking" in template:
+        chat["chat_template_kwargs"] = {"enable_thinking": THINKING[req.thinking.type]}
+        paths.add("chat_template_kwargs", "thinking")
+    config = req.output_config
+    if config is not None and config.effort is not None:
+        chat["reasoning_effort"] = EFFORTS[config.effort]
+        paths.add("reasoning_effort", "output_config.effort")
+    fmt, where = (config.format, "output_config.format") if config is not None and config.format is not None else (
+        req.output_format, "output_format")
     if fmt is not None:
-        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and set(fmt) <= {"type", "schema"}):
-            raise APIError(400, "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                           param="output_config.format")
-        chat["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "output", "schema": fmt.get("schema")}}
-    return chat
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+        paths.add("response_format.json_schema.schema", f"{where}.schema")
+        paths.add("response_format", where)
+    return chat, paths
 
 
-def _system(system: Any) -> list[dict]:
-    if system is None or system == "":
-        return []
-    return [{"role": "system", "content": _text(system, "system")}]
-
-
-def _text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and
-                                         isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
-    raise APIError(400, f"'{where}' must be a string or an array of text blocks", param=where)
-
-
-def _messages(messages: Any, protocol: OpenAIProtocol) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty array", param="messages")
+def _messages(req: MessagesRequest, paths: PathMap) -> list[dict]:
+    """``system`` and the turns as chat messages: a turn's tool results each a tool message
+    before its text, its text one message, its calls on the assistant's."""
     chat: list[dict] = []
-    for i, m in enumerate(protocol.limits.check(messages, "messages", "messages")):
+    if req.system:
+        paths.add(f"messages[{len(chat)}]", "system")
+        chat.append({"role": "system", "content": _text(req.system)})
+    paths.add("messages", "messages")
+    for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise APIError(400, f"'{where}.role' must be 'user' or 'assistant'", param=f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, str):
-            chat.append({"role": m["role"], "content": content})
+        if isinstance(m.content, str):
+            paths.add(f"messages[{len(chat)}]", where)
+            chat.append({"role": m.role, "content": m.content})
             continue
-        if not isinstance(content, list):
-            raise APIError(400, f"'{where}.content' must be a string or an array of blocks", param=f"{where}.content")
-        protocol.limits.check(content, "content_parts", f"{where}.content")
-        chat += _blocks(m["role"], content, f"{where}.content")
+        texts, calls = [], []
+        for j, block in enumerate(m.content):
+            at = f"{where}.content[{j}]"
+            if isinstance(block, ToolUseBlock):
+                if m.role != "assistant":
+                    raise APIError(400, f"'{at}.type' tool_use blocks belong to assistant turns", param=f"{at}.type")
+                paths.add(f"messages[{len(chat)}].tool_calls[{len(calls)}].function.arguments", f"{at}.input")
+                paths.add(f"messages[{len(chat)}].tool_calls[{len(calls)}].function", at)
+                paths.add(f"messages[{len(chat)}].tool_calls[{len(calls)}].id", f"{at}.id")
+                calls.append({"id": block.id, "type": "function", "function": {
+                    "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+            elif isinstance(block, ToolResultBlock):
+                if m.role != "user":
+                    raise APIError(400, f"'{at}.type' tool_result blocks belong to user turns", param=f"{at}.type")
+                paths.add(f"messages[{len(chat)}].tool_call_id", f"{at}.tool_use_id")
+                paths.add(f"messages[{len(chat)}]", at)
+                chat.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+            elif isinstance(block, TextBlock):
+                texts.append(block.text)
+        if calls or texts:
+            paths.add(f"messages[{len(chat)}]", where)
+            chat.append({"role": m.role, "content": "".join(texts) or None, "tool_calls": calls} if calls
+                        else {"role": m.role, "content": "".join(texts)})
     return chat
 
 
-def _blocks(role: str, blocks: list, where: str) -> list[dict]:
-    """One turn's blocks as chat messages: tool results each a tool message, the text one message,
-    the calls on the assistant's."""
-    results, texts, calls = [], [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(field(block, "text", str, "", param=f"{at}.text"))
-        elif kind == "tool_use" and role == "assistant":
-            arguments = block.get("input", {})
-            if not isinstance(arguments, dict):
-                raise APIError(400, f"'{at}.input' must be an object", param=f"{at}.input")
-            calls.append({"id": field(block, "id", str, param=f"{at}.id"), "type": "function",
-                          "function": {"name": field(block, "name", str, param=f"{at}.name"),
-                                       "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        elif kind == "tool_result" and role == "user":
-            content = block.get("content", "")
-            results.append({"role": "tool", "tool_call_id": field(block, "tool_use_id", str, param=f"{at}.tool_use_id"),
-                            "content": _text(content, f"{at}.content")})
-        elif kind not in ("thinking", "redacted_thinking"):
-            raise APIError(400, f"'{at}.type' {shown(kind)} is not a block this server reads in a {role} turn "
-                                "(text, tool_use, tool_result, thinking)", param=f"{at}.type")
-    turn = ([{"role": role, "content": "".join(texts) or None, "tool_calls": calls}] if calls
-            else [{"role": role, "content": "".join(texts)}] if texts else [])
-    return results + turn
+def _text(content: str | list[TextBlock]) -> str:
+    """A string, or text blocks joined."""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def _tool(tool: Any, i: int) -> dict:
-    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-        raise APIError(400, f"'tools[{i}]' must be a client tool ({{\"name\", \"input_schema\", ...}}): this server "
-                            "runs no server tools", param=f"tools[{i}]")
-    unknown = sorted(set(tool) - TOOL_FIELDS)
-    if unknown:
-        raise APIError(400, f"'tools[{i}].{shown(unknown[0], 40)}' is not a field of a tool", param=f"tools[{i}]")
-    function = {"name": tool.get("name"), "parameters": tool.get("input_schema", {"type": "object"})}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
+def _tool(tool: Tool) -> dict:
+    function = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: dict) -> dict:
-    kind = choice.get("type")
-    unknown = sorted(set(choice) - {"type", "name", "disable_parallel_tool_use"})
-    if kind not in ("auto", "any", "tool", "none") or unknown or (kind == "tool") != ("name" in choice):
-        raise APIError(400, "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", "
-                            "\"name\": ...}", param="tool_choice")
-    chat: dict[str, Any] = {"tool_choice": {"auto": "auto", "any": "required", "none": "none"}.get(kind) or
-                            {"type": "function", "function": {"name": choice["name"]}}}
-    if choice.get("disable_parallel_tool_use"):
+def _tool_choice(choice: ToolChoice) -> dict:
+    if (choice.type == "tool") != (choice.name is not None):
+        raise APIError(400, "'tool_choice.name' names the tool of {\"type\": \"tool\"} and only it",
+                       param="tool_choice.name")
+    chat: dict[str, Any] = {"tool_choice": {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or
+                            {"type": "function", "function": {"name": choice.name}}}
+    if choice.disable_parallel_tool_use:
         chat["parallel_tool_calls"] = False
     return chat
 
 
-def parse(body: dict, protocol: OpenAIProtocol) -> GenerationRequest:
-    """(Worker thread.) The request as the engine runs it."""
-    return protocol.chat(chat_body(body, protocol))
-
-
-def count(body: dict, protocol: OpenAIProtocol) -> int:
-    """(Worker thread.) The input tokens of a count_tokens body: its prompt as the engine would run it."""
-    chat = chat_body(body, protocol, counting=True)
-    return protocol.chat({**chat, "max_tokens": 1}).num_prompt_tokens
-
-
-async def _answering(request: web.Request, answer) -> web.StreamResponse:
-    """``await answer()``, with an ``APIError`` (or an HTTP error: a body over the limit) in
-    Anthropic's error shape."""
+def _chat(req: MessagesRequest, protocol: OpenAIProtocol) -> GenerationRequest:
+    """The request through the chat path, its errors naming the client's fields."""
+    chat, paths = chat_body(req, protocol.chat_template or protocol.tokenizer.chat_template)
     try:
-        return await answer()
+        return protocol.chat(validated(ChatRequest, chat, protocol.limits))
     except APIError as e:
-        return web.json_response(anthropic_error(e.status, e.message), status=e.status)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return web.json_response(anthropic_error(e.status, e.reason), status=e.status)
+        raise paths.error(e) from None
+
+
+def parse(req: MessagesRequest, protocol: OpenAIProtocol) -> GenerationRequest:
+    """(Worker thread.) The request as the engine runs it."""
+    if req.max_tokens is None:
+        raise APIError(400, "'max_tokens' is required", param="max_tokens")
+    return _chat(req, protocol)
+
+
+def count(req: MessagesRequest, protocol: OpenAIProtocol) -> int:
+    """(Worker thread.) The input tokens of a count_tokens body: its prompt as the engine would run it."""
+    return _chat(req.model_copy(update={"max_tokens": 1}), protocol).num_prompt_tokens
 
 
 async def create_message(server, request: web.Request) -> web.StreamResponse:
-    """The route (``OpenAIServer.messages``)."""
-    async def answer() -> web.StreamResponse:
-        gen = await server.parse(request, lambda body: parse(body, server.protocol))
-        generation = await server.generation(request, gen)
-        message = Message(server.protocol.model_name)
-        try:
-            if gen.stream:
-                return await _stream(request, generation, message)
-            out = (await generation.outputs())[0]
-            blocks, finish_reason = whole_blocks(gen.parsing, out.text, out.final.finish_reason)
-            usage = generation.usage(out.num_tokens)
-            return web.json_response({**message.head(usage), "content": [message.block(b) for b in blocks],
-                                      **message.stop(finish_reason, out.final.stop_reason)})
-        finally:
-            generation.close()
-
-    return await _answering(request, answer)
+    """The route (``OpenAIServer.messages``); its errors are rendered in Anthropic's shape by the
+    server's error middleware."""
+    gen = await server.parse(request, MessagesRequest, lambda req: parse(req, server.protocol))
+    generation = await server.generation(request, gen)
+    message = Message(server.protocol.model_name)
+    try:
+        if gen.stream:
+            return await _stream(request, generation, message)
+        out = (await generation.outputs())[0]
+        blocks, finish_reason = whole_blocks(gen.parsing, out.text, out.final.finish_reason)
+        usage = generation.usage(out.num_tokens)
+        return web.json_response({**message.head(usage), "content": [message.block(b) for b in blocks],
+                                  **message.stop(finish_reason, out.final.stop_reason)})
+    finally:
+        generation.close()
 
 
 async def count_tokens(server, request: web.Request) -> web.Response:
     """The route (``OpenAIServer.count_tokens``)."""
-    async def answer() -> web.Response:
-        return web.json_response({"input_tokens": await server.parse(request, lambda body: count(body,
-                                                                                              server.protocol))})
-
-    return await _answering(request, answer)
+    return web.json_response({"input_tokens": await server.parse(request, MessagesRequest,
+                                                                 lambda req: count(req, server.protocol))})
 
 
 class Message:

@@ -11,28 +11,36 @@ and ``POST /detokenize`` (``{"tokens"}`` -> ``{"prompt"}``). With an API key eve
 (``engine.entrypoints.server.chat_output``); a constrained request's grammar is compiled off the event loop
 before it reaches the engine.
 
-The event loop only reads bodies (at most ``--max-body-mib``) and moves bytes: parsing a body,
-validating it, rendering the chat template and tokenizing run on a pool of request worker threads
-(``--request-workers``, default from the cores), each check linear in the request's size and every
-list capped where it enters (``RequestLimits``), so no request can stall the others.
+The event loop only reads bodies (at most ``--max-body-mib``) and moves bytes: inflating, parsing
+and typing a body, validating it, rendering the chat template and tokenizing run on a pool of
+request worker threads (``--request-workers``, default from the cores), each check linear in the
+request's size and every list capped where it enters (``RequestLimits``); a request's work stops
+when its client goes, and the engine admits waiting sequences round robin over clients, so no
+request can stall the others.
 
 Errors are error objects in each API's shape: 400 for a malformed or invalid request (one log line,
-no traceback), 401 without the API key, 404 for an unknown route or model, 413 for a body over
-``--max-body-mib`` (8), 415 for a body that is not JSON, 429 when a client has too many grammars
-compiling, 500 when the engine failed on the request (logged with its traceback), 503 while
-shutting down. Without max_tokens a completion gets 16 tokens and a chat completion the whole room
-left, each capped by max_model_len. SIGTERM (or SIGINT) drains: new requests get 503, ``/health`` 503, in-flight ones
-finish for up to ``--shutdown-timeout`` seconds, then the rest end with an error. A second signal
-stops at once. An engine that keeps failing its steps ends the server (``engine_loop``: exit code
-1, for a supervisor to restart it). Under torchrun rank 0 serves; every rank steps.
+no traceback; every API's body is typed by its models, so a field of the wrong type is a 400 naming
+the client's own field path), 401 without the API key, 404 for an unknown route or model, 408 when a
+body has not arrived within ``--body-timeout``, 413 for a body over ``--max-body-mib`` (8; inflated
+bodies too), 415 for a body that is not JSON or a ``Content-Encoding`` other than gzip, deflate or
+identity, 429 when a client has too many grammars compiling, 500 when the engine failed on the
+request (logged with its traceback), 503 while shutting down. Connections have deadlines and caps
+(``engine.entrypoints.server.connections``). Without max_tokens a completion gets 16 tokens and a
+chat completion the whole room left, each capped by max_model_len. SIGTERM (or SIGINT) drains: new
+requests get 503, ``/health`` 503, in-flight ones finish for up to ``--shutdown-timeout`` seconds,
+then the rest end with an error. A second signal stops at once. An engine that keeps failing its
+steps ends the server (``engine_loop``: exit code 1, for a supervisor to restart it). Under
+torchrun rank 0 serves; every rank steps.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import concurrent.futures
+import contextvars
 import copy
 import dataclasses
+import gc
 import importlib.metadata
 import json
 import logging
@@ -40,6 +48,7 @@ import os
 import signal
 import ssl
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -52,38 +61,32 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.lockstep import mirror_rank0
 from engine.core.output_processor import RequestOutput
 from engine.entrypoints.server import anthropic, reasoning, responses
-from engine.entrypoints.server.access import api_key_middleware, client_of, cors_middleware, ssl_context
+from engine.entrypoints.server.access import (
+    anthropic_error,
+    api_key_middleware,
+    cors_middleware,
+    ssl_context,
+)
+from engine.entrypoints.server.body import inflate, read_body
 from engine.entrypoints.server.chat_output import ChatParsing, ChatStream
+from engine.entrypoints.server.connections import ConnectionLimits, Connections
 from engine.entrypoints.server.engine_loop import EngineLoop
-from engine.entrypoints.server.generation import Generation, sse_response
+from engine.entrypoints.server.generation import Generation, client_of, sse_response
 from engine.entrypoints.server.metrics import ServerMetrics
+from engine.entrypoints.server.openai_types import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.entrypoints.server.protocol import GenerationRequest, OpenAIProtocol
-from engine.entrypoints.server.request_body import APIError, RequestLimits, check_content_type, parse_json
+from engine.entrypoints.server.request_body import (
+    APIError,
+    RequestLimits,
+    check_content_type,
+    client_gone,
+    parse_json,
+)
+from engine.entrypoints.server.request_model import Model, validated
 from engine.entrypoints.server.tool_parsers import tool_parser
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 
 log = logging.getLogger("engine.entrypoints.server")
-
-
-@web.middleware
-async def _error_objects(request: web.Request, handler):
-    """Every failure becomes an error object; the server keeps serving. A client's fault is one
-    log line; a failure of the server's own is logged with its traceback."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        log.log(logging.ERROR if e.status >= 500 else logging.INFO, "%s %s: %d %s", request.method, request.path,
-                e.status, e.message[:200])
-        return web.json_response(e.body(), status=e.status)
-    except web.HTTPException as e:  # the router's 404 / 405, an over-large body's 413
-        if e.status < 400:
-            raise
-        error = APIError(e.status, f"{e.reason}: {request.method} {request.path[:200]}",
-                         code=e.reason.lower().replace(" ", "_"))
-        return web.json_response(error.body(), status=e.status)
-    except Exception as e:
-        log.exception("request %s %s failed", request.method, request.path[:200])
-        return web.json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
 
 
 def default_request_workers() -> int:
@@ -102,12 +105,14 @@ class OpenAIServer:
     ``reasoning_parser`` (None: off), ``chat_template`` (replaces the tokenizer's), ``api_key``
     (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
     HTTPS). Parser names given are checked here; the agent path runs only for what uses it.
-    ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests."""
+    ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests;
+    ``connection_limits`` are the connections' deadlines and caps (``connections``)."""
 
     def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
                  allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None,
-                 limits: RequestLimits = RequestLimits(), request_workers: int | None = None):
+                 limits: RequestLimits = RequestLimits(), request_workers: int | None = None,
+                 connection_limits: ConnectionLimits = ConnectionLimits()):
         engine = engine_loop.engine
         self.engine_loop, self.model_name = engine_loop, model_name
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
@@ -116,7 +121,9 @@ class OpenAIServer:
         self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size,
                                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                                        chat_template=chat_template, generation_config=engine.generation_config,
-                                       architecture=engine.config.architecture, limits=limits)
+                                       architecture=engine.config.architecture,
+                                       limits=dataclasses.replace(limits, sequences_per_request=(
+                                           limits.sequences_per_request or 4 * engine.scheduler.max_num_seqs)))
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.done = asyncio.Event()
@@ -124,7 +131,10 @@ class OpenAIServer:
                                                              thread_name_prefix="request-worker")
         middlewares = self._access(api_key, allowed_origins or []) if api_key or allowed_origins else []
         self.ssl_context = self._tls(*ssl_files) if ssl_files else None
-        self.app = web.Application(middlewares=[_error_objects, *middlewares], client_max_size=limits.body_mib << 20)
+        self.max_body_bytes, self.connection_limits = limits.body_mib << 20, connection_limits
+        self.connections = Connections(connection_limits)
+        self.app = web.Application(middlewares=[self.connections.middleware, self._error_objects, *middlewares],
+                                   client_max_size=self.max_body_bytes)
         self.app.add_routes([web.get("/health", self.health), web.get("/metrics", self.metrics),
                              web.get("/version", self.version), web.get("/v1/models", self.models),
                              web.post("/v1/completions", self.completions),
@@ -135,15 +145,22 @@ class OpenAIServer:
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
         self.app.on_shutdown.append(self._stop_engine_loop)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
         event_loop = asyncio.get_running_loop()
         self.engine_loop.on_exit = lambda: event_loop.call_soon_threadsafe(self.done.set)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None)
+        # auto_decompress off: body.read_body reads a compressed body as sent, inflate inflates it under the cap
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None,
+                                     auto_decompress=False, **self.connections.handler_options())
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context).start()
+        self._listener = await self.connections.listen(self._runner.server, host, port, self.ssl_context)
+        # What start-up made (torch, transformers, the model, ~400k objects) lives as long as the process: out of
+        # the collector's sight, a full collection takes ~10 ms instead of holding the interpreter lock ~0.45 s,
+        # which stalled every stream each time requests' garbage set one off (vLLM's engine core does the same).
+        gc.freeze()
         self.engine_loop.start()
-        return self._runner.addresses[0][1]
+        return self._listener.sockets[0].getsockname()[1]
 
     async def shutdown(self, timeout: float) -> None:
         """Graceful drain: refuse new requests, let those in flight finish for up to ``timeout``
@@ -159,6 +176,8 @@ class OpenAIServer:
         await asyncio.sleep(0.2)  # handlers write the error of what was aborted
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         self.workers.shutdown(wait=False, cancel_futures=True)
@@ -166,7 +185,37 @@ class OpenAIServer:
     async def _stop_engine_loop(self, app: web.Application) -> None:
         await asyncio.to_thread(self.engine_loop.stop)
 
+    @web.middleware
+    async def _error_objects(self, request: web.Request, handler):
+        """Every failure becomes an error object in the shape of the route's API (Anthropic's on
+        ``/v1/messages`` and its ``count_tokens``, OpenAI's elsewhere); the server keeps serving. A
+        client's fault is one log line; a failure of the server's own is logged with its traceback."""
+        try:
+            return await handler(request)
+        except APIError as e:
+            log.log(logging.ERROR if e.status >= 500 else logging.INFO, "%s %s: %d %s", request.method, request.path,
+                    e.status, e.message[:200])
+            return self._error_response(request, e)
+        except web.HTTPException as e:  # the router's 404 / 405, an over-large body's 413
+            if e.status < 400:
+                raise
+            where = f"{request.method} {request.path[:200]}"
+            return self._error_response(request, APIError(e.status, f"{e.reason}: {where}",
+                                                          code=e.reason.lower().replace(" ", "_")))
+        except Exception as e:
+            log.exception("request %s %s failed", request.method, request.path[:200])
+            return self._error_response(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _error_response(self, request: web.Request, error: APIError) -> web.Response:
+        messages_api = request.match_info.route.handler in (self.messages, self.count_tokens)
+        return web.json_response(self._anthropic_error(error) if messages_api else error.body(), status=error.status)
+
     # ---- agents (phase 14) --------------------------------------------------------------------
+
+    @staticmethod
+    def _anthropic_error(error: APIError) -> dict:
+        """Anthropic's error object of ``error`` (the Messages API's routes)."""
+        return anthropic_error(error.status, error.message)
 
     @staticmethod
     def _check_parser_names(tool_call: str | None, reasoning_name: str | None) -> None:
@@ -258,33 +307,48 @@ class OpenAIServer:
         return web.json_response({"version": version})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        tokens = await self.parse(request, self.protocol.tokenize)
+        tokens = await self.parse(request, TokenizeRequest, self.protocol.tokenize)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response({"prompt": await self.parse(request, self.protocol.detokenize)})
+        return web.json_response({"prompt": await self.parse(request, DetokenizeRequest, self.protocol.detokenize)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, self.protocol.completion))
+        return await self._generate(request, await self.parse(request, CompletionRequest, self.protocol.completion))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, self.protocol.chat))
+        return await self._generate(request, await self.parse(request, ChatRequest, self.protocol.chat))
 
     # ---- the path to the engine ---------------------------------------------------------------
 
-    async def parse(self, request: web.Request, parse: Callable[[dict], Any]) -> Any:
+    async def parse(self, request: web.Request, model: type[Model], read: Callable[[Model], Any]) -> Any:
         """The request's body read on the event loop (bytes only, at most ``--max-body-mib``), then
-        decoded and checked and given to ``parse`` (an API's body -> what it asks) on a request
-        worker thread: whatever grows with the request runs off the event loop."""
+        decoded, typed as the API's request ``model`` (every field's type checked before any logic)
+        and given to ``read`` (the typed request -> what it asks) on a request worker thread:
+        whatever grows with the request runs off the event loop. A client that goes while its
+        request is read stops that work at the next stage (``stop_if_client_gone``); one that went
+        before a worker took it costs nothing."""
         check_content_type(request.headers.get("Content-Type"))
-        raw = await request.read()
-        return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: parse(parse_json(raw)))
+        body = await read_body(request, self.max_body_bytes, self.connection_limits.body_timeout)
+        gone = threading.Event()
+
+        def work() -> Any:
+            client_gone.set(gone)
+            return read(validated(model, parse_json(inflate(body, self.max_body_bytes)), self.protocol.limits))
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.workers, contextvars.copy_context().run, work)
+        except asyncio.CancelledError:
+            gone.set()
+            raise
 
     async def generation(self, request: web.Request, gen: GenerationRequest) -> Generation:
-        """``gen`` on the engine, its grammar compiled first (in the turn of the client's address)."""
+        """``gen`` on the engine, its grammar compiled first: both in the turn of the client who
+        sent it (``client_of``: the compile queue's and the engine's admission round robin)."""
+        client = client_of(request)
         if gen.structured is not None:
-            await self._compile(gen.structured, client_of(request))
-        return Generation(self.engine_loop, gen)
+            await self._compile(gen.structured, client)
+        return Generation(self.engine_loop, gen, client)
 
     async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
         generation = await self.generation(request, gen)
@@ -414,6 +478,8 @@ def add_serve_command(commands) -> None:
                            f"(default: one per core, 2 to 8; {default_request_workers()} here)")
     RequestLimits.add_cli_args(parser.add_argument_group("request limits (each checked before any work that grows "
                                                          "with it)"))
+    ConnectionLimits.add_cli_args(parser.add_argument_group("connections (deadlines and caps: no client holds "
+                                                            "connections open for free)"))
     agents = parser.add_argument_group("agents and access")
     agents.add_argument("--tool-call-parser", default=None,
                         help="how tool calls are read from the output: hermes (Qwen's <tool_call> blocks), "
@@ -451,7 +517,8 @@ def serve(args: argparse.Namespace) -> int:
                               chat_template=chat_template, api_key=args.api_key,
                               allowed_origins=args.allowed_origins,
                               ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
-                              limits=RequestLimits.from_cli_args(args), request_workers=args.request_workers)
+                              limits=RequestLimits.from_cli_args(args), request_workers=args.request_workers,
+                              connection_limits=ConnectionLimits.from_cli_args(args))
         asyncio.run(_serve(server, args.host, args.port, args.shutdown_timeout))
     finally:
         engine_loop.stop()

@@ -1,18 +1,17 @@
 """The OpenAI protocol: request bodies parsed and validated into engine requests, and the response
 objects (JSON, SSE chunks, logprobs, usage, errors).
 
-Every field is checked here, where the request enters (on a request worker thread, never the
-event loop), with vLLM's semantics where OpenAI is silent: a request the engine could not run is
-a 400 naming the field, never a failure inside a step. Every list is capped before any work that
-grows with it (``RequestLimits``; stop strings, stop token ids and bad words at the engine's
-caps), every check is linear, and no error echoes a large input back. Every field is honoured or
-refused: OpenAI's fields that mean nothing to a server like this one (``IGNORED_FIELDS``: ``user``,
-``metadata``, ``store``, ``verbosity``, ``prompt_cache_key`` ...) are accepted and ignored, as
-OpenAI-compatible servers do; ``reasoning_effort`` reaches the chat template (``"none"`` turns
-thinking off where the template reads ``enable_thinking``); a field this server knows but does not
-implement is refused when it asks for something (``REFUSED``: ``suffix``, a ``priority`` other than
-0, chat's ``echo``, ``prompt_logprobs`` and ``add_special_tokens``, ``audio``, ...); any other
-field is a 400 naming it (a typo is caught).
+A request arrives typed (``openai_types``: every field's type, the lists' caps and the field
+policy checked before this module reads it); what needs the model is checked here, where the
+request enters (on a request worker thread, never the event loop), with vLLM's semantics where
+OpenAI is silent: a request the engine could not run is a 400 naming the field, never a failure
+inside a step. Every check is linear and no error echoes a large input back. A request's cost is
+bounded before it is paid: a chat's messages and tools are counted against the longest prompt
+the context can hold before any schema is checked or the template rendered, and the work stops
+between its stages once its client has gone (``request_body.stop_if_client_gone``).
+``reasoning_effort`` reaches the chat template (``"none"`` turns thinking off where the template
+reads ``enable_thinking``). One request runs at most ``RequestLimits.sequences_per_request``
+sequences (prompts x n).
 
 Completions take ``echo`` (the prompt's text, its token ids decoded, before each choice's text;
 with ``logprobs: N`` the choice's logprobs cover the prompt tokens first, the first one with a
@@ -40,6 +39,7 @@ request leaves out take the checkpoint's ``generation_config.json`` values, then
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -49,48 +49,23 @@ from typing import Any
 
 from engine.core.sampling_defaults import OPENAI, sampling_defaults
 from engine.entrypoints.server.chat_output import ChatParsing
-from engine.entrypoints.server.request_body import APIError, RequestLimits, bounded_int, check_fields, field, shown
+from engine.entrypoints.server.openai_types import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from engine.entrypoints.server.request_body import APIError, RequestLimits, shown, stop_if_client_gone
 from engine.entrypoints.server.tool_parsers import default_tool_parser, tool_parser
-from engine.entrypoints.server.tools import (
-    ToolRequest,
-    ToolRequestError,
-    call_schema,
-    messages_for_template,
-    validate_tools,
-)
-from engine.scheduling.sequence import (
-    MAX_BAD_WORDS,
-    MAX_LOGPROBS,
-    MAX_SEED,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-)
+from engine.entrypoints.server.tools import ToolRequest, call_schema, messages_for_template, validate_tools
+from engine.scheduling.sequence import MAX_SEED, SamplingParams
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request, tool_call_spec
 
 log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_N = 16  # choices per prompt
-MAX_BAD_WORD_CHARS = 256
-# The field policy (docs/agents.md, "Fields"): OpenAI's fields that mean nothing to a server like this one
-# are accepted and ignored, as OpenAI-compatible servers do; a field of no API served is a 400.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "verbosity", "prediction"}
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "stop_token_ids",
-                 "stream", "stream_options", "seed", "ignore_eos", "min_tokens", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
-                 "structured_outputs", "until", "do_sample", "min_p", "logit_bias", "allowed_token_ids",
-                 "bad_words", "include_stop_str_in_output", "skip_special_tokens"} | IGNORED_FIELDS
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens", "echo", "prompt_logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "modalities"}
-# fields this server knows and does not implement (where the request kind does not take them):
-# refused unless they ask for nothing (one of these values)
-REFUSED = {"echo": (False, None), "suffix": (None, ""), "add_special_tokens": (None, False),
-           "prompt_logprobs": (None,), "priority": (None, 0), "lora_path": (None,), "audio": (None,),
-           "web_search_options": (None,), "functions": (None,), "function_call": (None,)}
-MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}  # developer is rendered as system
 # chat_template_kwargs the server sets itself
 RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
                             "continue_final_message", "return_dict", "chat_template"}
@@ -125,79 +100,90 @@ class GenerationRequest:
 
 
 class OpenAIProtocol:
-    """Parses requests against one model: its ``tokenizer`` (for text prompts, chat templates and
-    token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
+    """Reads typed requests against one model: its ``tokenizer`` (for text prompts, chat templates
+    and token strings), ``model_name``, ``max_model_len`` and ``vocab_size``. ``tool_call_parser``
     (``engine.entrypoints.server.tool_parsers``; "none": tools are refused; None: the default of the
     checkpoint's ``architecture``, read when a request first uses tools) reads tool calls,
     ``reasoning_parser`` (None: none) splits reasoning off; ``chat_template`` replaces the
     tokenizer's; ``generation_config`` is the checkpoint's (its sampling values are the defaults,
-    ``engine.core.sampling_defaults``); ``limits`` caps the lists a request may hold.
+    ``engine.core.sampling_defaults``); ``limits`` caps what a request may hold (its
+    ``sequences_per_request`` resolved).
 
     Its methods are called from any thread (the server's request workers): they keep no state
-    but a cache of token texts. A text prompt longer than ``max_prompt_chars`` (``max_model_len``
-    times the longest token's characters: it cannot fit, whatever it encodes to) is refused
-    before it is encoded."""
+    but a cache of token texts. A prompt longer than ``max_prompt_chars`` characters
+    (``max_model_len`` times the longest token's characters: it cannot fit, whatever it encodes
+    to) is refused before it is encoded, and a chat's messages and tools before they are checked
+    or rendered."""
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, *,
                  tool_call_parser: str | None = "none", reasoning_parser: str | None = None,
                  chat_template: str | None = None, generation_config: dict | None = None, architecture: str = "",
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(sequences_per_request=1024)):
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.architecture = architecture
         self.chat_template = chat_template
         self.defaults = sampling_defaults(generation_config or {}, OPENAI)
+        if limits.sequences_per_request is None:
+            raise ValueError("limits.sequences_per_request must be resolved (a number)")
         self.limits = limits
         self.max_prompt_chars = max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
         self._token_text: dict[int, str] = {}
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def completion(self, body: dict) -> GenerationRequest:
-        check_fields(body, COMPLETION_FIELDS, REFUSED)
-        logprobs = bounded_int(body, "logprobs", 0, MAX_LOGPROBS, None)
-        prompts = self._completion_prompts(body.get("prompt"), field(body, "add_special_tokens", bool, False))
-        echo = field(body, "echo", bool, False)
-        prompt_logprobs = bounded_int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
-        max_tokens = bounded_int(body, "max_tokens", 0 if echo else 1, MAX_SEED, None)
-        structured = self._structured(body) if _constrained(body) else None
-        gen = self._request(body, prompts, 1 if max_tokens == 0 else max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                            logprobs, chat=False, structured=structured)
-        asked = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+    def completion(self, req: CompletionRequest) -> GenerationRequest:
+        echo = bool(req.echo)
+        if req.max_tokens == 0 and not echo:
+            raise APIError(400, "'max_tokens' must be at least 1 (0 only with 'echo')", param="max_tokens")
+        prompts = self._completion_prompts(req.prompt, bool(req.add_special_tokens))
+        structured = self._structured(req) if req.constrained else None
+        max_tokens = req.max_tokens
+        gen = self._request(req, prompts, 1 if max_tokens == 0 else max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                            req.logprobs, chat=False, structured=structured)
+        asked = [n for n in (req.prompt_logprobs, req.logprobs if echo else None) if n is not None]
         for choice in gen.choices:  # the engine computes the most alternatives either asks
             choice.params = dataclasses.replace(choice.params, prompt_logprobs=max(asked) if asked else None)
-        return dataclasses.replace(gen, echo=echo, num_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
-                                   drop_output=max_tokens == 0)
+        return dataclasses.replace(gen, echo=echo, num_logprobs=req.logprobs or 0,
+                                   prompt_logprobs=req.prompt_logprobs, drop_output=max_tokens == 0)
 
-    def chat(self, body: dict) -> GenerationRequest:
-        check_fields(body, CHAT_FIELDS, REFUSED)
+    def chat(self, req: ChatRequest) -> GenerationRequest:
         logprobs = None
-        if field(body, "logprobs", bool, False):
-            logprobs = bounded_int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
-        elif body.get("top_logprobs") is not None:
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        elif req.top_logprobs is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        max_tokens = bounded_int(body, "max_completion_tokens", 1, MAX_SEED,
-                                  bounded_int(body, "max_tokens", 1, MAX_SEED, None))
-        if body.get("modalities") not in (None, ["text"]):
-            raise APIError(400, "'modalities' must be [\"text\"]: this server writes text only", param="modalities")
-        if self.reasoning_parser is not None or _uses_agent_features(body):
-            rendered, structured, parsing = self._agent_chat(body)
+        max_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = getattr(req, max_param)
+        self._check_size(req)
+        if self.reasoning_parser is not None or req.uses_agent_features:
+            rendered, structured, parsing = self._agent_chat(req)
         else:
-            rendered, structured, parsing = self._render_chat(body.get("messages")), None, None
-        return self._request(body, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
-                             structured=structured, parsing=parsing)
+            rendered, structured, parsing = self._render_chat(req.messages), None, None
+        return self._request(req, [self._encode(rendered, "messages")], max_tokens, None, logprobs, chat=True,
+                             structured=structured, parsing=parsing, max_param=max_param)
 
-    def _agent_chat(self, body: dict) -> tuple[str, StructuredSpec | None, ChatParsing]:
+    def _check_size(self, req: ChatRequest) -> None:
+        """The messages' text and the tools' JSON, which the template writes into the prompt, fit
+        ``max_prompt_chars``: else a 400 before anything is checked or rendered (context_length_exceeded)."""
+        chars = sum(map(_chars, req.messages))
+        tools = len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools])) if req.tools else 0
+        if chars + tools > self.max_prompt_chars:
+            what = "messages and tools hold" if tools else "messages hold"
+            raise APIError(400, f"the {what} {chars + tools} characters: more than this model's maximum context "
+                                f"length of {self.max_model_len} tokens (max_model_len) can hold",
+                           param="tools" if tools > chars else "messages", code="context_length_exceeded")
+
+    def _agent_chat(self, req: ChatRequest) -> tuple[str, StructuredSpec | None, ChatParsing]:
         """A chat request with tools, a tool history, a constraint or template arguments (or any
         chat request on a server with a reasoning parser): its rendered prompt, what its output
         must match (a forced tool call's spec, or the request's own), and how its output is read."""
-        tools = self._tool_request(body)
-        messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-            raise APIError(400, "'messages' must be a non-empty array of objects", param="messages")
-        rendered = self._render_chat(messages_for_template(messages), tools.tools, self._template_kwargs(body))
-        structured = self._structured(body) if _constrained(body) else None
+        stop_if_client_gone()
+        tools = self._tool_request(req)
+        messages = messages_for_template([m.model_dump(exclude_none=True) for m in req.messages])
+        rendered = self._render_chat(messages, tools.tools, self._template_kwargs(req))
+        structured = self._structured(req) if req.constrained else None
         if tools.tool_choice == "required":
             if structured is not None:
                 raise APIError(400, "a forced tool call ('tool_choice') and 'response_format' / "
@@ -211,17 +197,14 @@ class OpenAIProtocol:
                                                  forced=tools.tool_choice == "required",
                                                  parallel_tool_calls=tools.parallel_tool_calls)
 
-    def _template_kwargs(self, body: dict) -> dict:
+    def _template_kwargs(self, req: ChatRequest) -> dict:
         """The chat template's arguments: ``chat_template_kwargs``, with ``reasoning_effort`` (as
         templates such as gpt-oss's read it) and, for ``"none"``, ``enable_thinking: false`` where
         the template reads that (Qwen3's); what ``chat_template_kwargs`` sets wins."""
-        kwargs = dict(field(body, "chat_template_kwargs", dict, {}))
-        effort = field(body, "reasoning_effort", str)
+        kwargs = dict(req.chat_template_kwargs or {})
+        effort = req.reasoning_effort
         if effort is None:
             return kwargs
-        if effort not in REASONING_EFFORTS:
-            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
-                                f"{shown(effort)}", param="reasoning_effort")
         template = self.chat_template or self.tokenizer.chat_template
         if effort == "none" and isinstance(template, str) and "enable_thinking" in template:
             kwargs.setdefault("enable_thinking", False)
@@ -231,12 +214,9 @@ class OpenAIProtocol:
         """The tool-call parser's name: the one given, else the architecture's default."""
         return default_tool_parser(self.architecture) if self.tool_call_parser is None else self.tool_call_parser
 
-    def _tool_request(self, body: dict) -> ToolRequest:
+    def _tool_request(self, req: ChatRequest) -> ToolRequest:
         """The request's tool fields, checked; tools to read need a tool-call parser."""
-        try:
-            tools = validate_tools(body, self.limits.tools, self.limits.history_tool_calls)
-        except ToolRequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
+        tools = validate_tools(req)
         if tools.tools and tools.tool_choice != "none" and self._tool_call_parser() == "none":
             raise APIError(400, "this server reads no tool calls from the model's output: start it with "
                                 "--tool-call-parser (hermes for Qwen, llama3_json for Llama), or send "
@@ -244,74 +224,73 @@ class OpenAIProtocol:
         return tools
 
     @staticmethod
-    def _structured(body: dict) -> StructuredSpec | None:
+    def _structured(req: SamplingFields) -> StructuredSpec | None:
         """The request's ``response_format`` / ``structured_outputs`` as a spec (a 400 naming the field)."""
         try:
-            return spec_from_request(body)
+            return spec_from_request({"response_format": req.response_format,
+                                      "structured_outputs": req.structured_outputs})
         except StructuredOutputError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def _request(self, body: dict, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
-                 logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
-                 parsing: ChatParsing | None = None) -> GenerationRequest:
-        self._check_model(body)
-        n = bounded_int(body, "n", 1, MAX_N, 1)
-        best_of = bounded_int(body, "best_of", 1, MAX_N, n)
+    def _request(self, req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+                 default_max: int | None, logprobs: int | None, chat: bool, structured: StructuredSpec | None = None,
+                 parsing: ChatParsing | None = None, max_param: str = "max_tokens") -> GenerationRequest:
+        """The engine requests of ``prompts``: ``n`` choices each, their sampling parameters with
+        ``max_tokens`` (the request's field ``max_param``; None: ``default_max``) fitted to the context."""
+        self._check_model(req.model)
+        n = req.n or 1
+        best_of = req.best_of or n
         if best_of != n:
             raise APIError(400, f"'best_of' must equal 'n' ({n}) here, got {best_of}", param="best_of")
-        params = dataclasses.replace(self._sampling_params(body, logprobs), structured=structured)
+        cap = self.limits.sequences_per_request
+        if len(prompts) * n > cap:
+            raise APIError(400, f"the request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x n={n}); "
+                                f"this server takes at most {cap} (serve --max-sequences-per-request)",
+                           param="n" if n > 1 else "prompt", code="too_many_items")
+        params = dataclasses.replace(self._sampling_params(req, logprobs), structured=structured)
         choices = []
         for p_index, prompt in enumerate(prompts):
-            fitted = self._fit(prompt, params, max_tokens, default_max, "messages" if chat else "prompt")
+            fitted = self._fit(prompt, params, max_tokens, default_max, "messages" if chat else "prompt", max_param)
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
                 choices.append(Choice(p_index * n + j, p_index, prompt, dataclasses.replace(fitted, seed=seed)))
-        stream = field(body, "stream", bool, False)
-        include_usage = field(field(body, "stream_options", dict, {}), "include_usage", bool, False)
-        return GenerationRequest(choices, sum(map(len, prompts)), stream, include_usage, chat, logprobs is not None,
-                                 structured, parsing)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return GenerationRequest(choices, sum(map(len, prompts)), bool(req.stream), include_usage, chat,
+                                 logprobs is not None, structured, parsing)
 
-    def _check_model(self, body: dict) -> None:
-        model = field(body, "model", str)
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {shown(model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _sampling_params(self, body: dict, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, logprobs: int | None) -> SamplingParams:
         """The request's sampling fields as SamplingParams (max_tokens set per prompt later); a 400
-        naming the field for a wrong type or value."""
+        naming the field for a value the engine refuses."""
         stop: dict[str, None] = {}  # in order, each once
-        for name in ("stop", "until"):  # lm-eval's harness sends its stop strings as ``until`` too
-            value = [] if body.get(name) is None else body[name]
-            if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)):
-                raise APIError(400, f"'{name}' must be a string or an array of strings", param=name)
-            if not isinstance(value, str) and len(value) > MAX_STOP_STRINGS:
-                raise APIError(400, f"'{name}' must hold at most {MAX_STOP_STRINGS} stop strings", param=name)
-            stop.update(dict.fromkeys([value] if isinstance(value, str) else value))
-        stop = list(stop)
-        stop_ids = field(body, "stop_token_ids", list, [])
-        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise APIError(400, f"'stop_token_ids' must hold at most {MAX_STOP_TOKEN_IDS} token ids",
-                           param="stop_token_ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
+        for value in (req.stop, req.until):
+            stop.update(dict.fromkeys([] if value is None else [value] if isinstance(value, str) else value))
+        stop_ids = req.stop_token_ids or []
+        if not all(0 <= t < self.vocab_size for t in stop_ids):
             raise APIError(400, f"'stop_token_ids' must hold token ids in [0, {self.vocab_size})",
                            param="stop_token_ids")
         defaults = self.defaults
+
+        def given(value, default):
+            return default if value is None else value
+
         try:
             return SamplingParams(
-                min_p=field(body, "min_p", float, 0.0), logit_bias=self._logit_bias(body),
-                allowed_token_ids=self._allowed_token_ids(body), bad_words_token_ids=self._bad_words(body),
-                include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False),
-                skip_special_tokens=field(body, "skip_special_tokens", bool, True),
-                temperature=(0.0 if field(body, "do_sample", bool, True) is False  # HF-style greedy
-                             else field(body, "temperature", float, defaults["temperature"])),
-                top_p=field(body, "top_p", float, defaults["top_p"]),
-                top_k=field(body, "top_k", int, defaults["top_k"]), stop=stop, stop_token_ids=stop_ids,
-                ignore_eos=field(body, "ignore_eos", bool, False), seed=field(body, "seed", int),
-                min_tokens=field(body, "min_tokens", int, 0),
-                presence_penalty=field(body, "presence_penalty", float, 0.0),
-                frequency_penalty=field(body, "frequency_penalty", float, 0.0),
-                repetition_penalty=field(body, "repetition_penalty", float, defaults["repetition_penalty"]),
+                min_p=given(req.min_p, 0.0), logit_bias=self._logit_bias(req),
+                allowed_token_ids=self._allowed_token_ids(req), bad_words_token_ids=self._bad_words(req),
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                skip_special_tokens=given(req.skip_special_tokens, True),
+                temperature=(0.0 if req.do_sample is False  # HF-style greedy
+                             else given(req.temperature, defaults["temperature"])),
+                top_p=given(req.top_p, defaults["top_p"]), top_k=given(req.top_k, defaults["top_k"]),
+                stop=list(stop), stop_token_ids=list(stop_ids), ignore_eos=bool(req.ignore_eos), seed=req.seed,
+                min_tokens=given(req.min_tokens, 0), presence_penalty=given(req.presence_penalty, 0.0),
+                frequency_penalty=given(req.frequency_penalty, 0.0),
+                repetition_penalty=given(req.repetition_penalty, defaults["repetition_penalty"]),
                 logprobs=logprobs,
                 max_tokens=MAX_SEED)  # a placeholder bound: _fit sets each prompt's own
         except ValueError as e:  # "SamplingParams.<field> must be ..."
@@ -322,42 +301,29 @@ class OpenAIProtocol:
     def _token_id(self, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size
 
-    def _logit_bias(self, body: dict) -> tuple[tuple[int, float], ...]:
-        """OpenAI's ``{"token id": bias}``: ids (decimal strings) in [0, vocab), biases in [-100, 100]."""
+    def _logit_bias(self, req: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """OpenAI's ``{"token id": bias}``: ids (decimal strings) in [0, vocab)."""
         pairs = []
-        biases = field(body, "logit_bias", dict, {})
-        self.limits.check(biases, "logit_bias", "logit_bias")
-        for key, bias in biases.items():
-            token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        for key, bias in (req.logit_bias or {}).items():
+            token_id = int(key) if key.isascii() and key.isdigit() else None
             if not self._token_id(token_id):
                 raise APIError(400, f"'logit_bias' keys must be token ids in [0, {self.vocab_size}), got "
                                     f"{shown(key)}", param="logit_bias")
-            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100):
-                raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {shown(bias)}",
-                               param="logit_bias")
             pairs.append((token_id, float(bias)))
         return tuple(pairs)
 
-    def _allowed_token_ids(self, body: dict) -> tuple[int, ...] | None:
-        allowed = field(body, "allowed_token_ids", list)
-        if allowed is not None:
-            self.limits.check(allowed, "allowed_token_ids", "allowed_token_ids")
-        if allowed is not None and not (allowed and all(map(self._token_id, allowed))):
-            raise APIError(400, f"'allowed_token_ids' must be a non-empty array of token ids in [0, {self.vocab_size})",
+    def _allowed_token_ids(self, req: SamplingFields) -> tuple[int, ...] | None:
+        allowed = req.allowed_token_ids
+        if allowed is not None and not all(map(self._token_id, allowed)):
+            raise APIError(400, f"'allowed_token_ids' must hold token ids in [0, {self.vocab_size})",
                            param="allowed_token_ids")
         return None if allowed is None else tuple(allowed)
 
-    def _bad_words(self, body: dict) -> tuple[tuple[int, ...], ...]:
+    def _bad_words(self, req: SamplingFields) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as it tokenises alone and after a space (vLLM's rule: banned at
-        the start of the text and inside it); a word that tokenises to nothing is a 400. At most
-        ``MAX_BAD_WORDS`` words of at most ``MAX_BAD_WORD_CHARS`` characters, checked before any
-        is encoded."""
-        words = field(body, "bad_words", list, [])
-        if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and len(w) <= MAX_BAD_WORD_CHARS for w in words):
-            raise APIError(400, f"'bad_words' must be an array of at most {MAX_BAD_WORDS} strings of at most "
-                                f"{MAX_BAD_WORD_CHARS} characters", param="bad_words")
+        the start of the text and inside it); a word that tokenises to nothing is a 400."""
         sequences: dict[tuple[int, ...], None] = {}  # in order, each once
-        for word in words:
+        for word in req.bad_words or []:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
                 if not ids:
@@ -365,46 +331,30 @@ class OpenAIProtocol:
                 sequences[ids] = None
         return tuple(sequences)
 
-    def _completion_prompts(self, prompt: Any, add_special_tokens: bool = False) -> list[list[int]]:
+    def _completion_prompts(self, prompt: str | list, add_special_tokens: bool = False) -> list[list[int]]:
         """A string, an array of strings, token ids or an array of token-id arrays -> token-id prompts
         (strings encoded with the tokenizer's special tokens when ``add_special_tokens``)."""
-        def is_ids(p):
-            return isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-        if isinstance(prompt, str) or is_ids(prompt):
-            prompt = [prompt]
-        elif isinstance(prompt, list):
-            self.limits.check(prompt, "prompts", "prompt")
-        if not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
-                                                         all(is_ids(p) for p in prompt))):
-            raise APIError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
-                                "array of token-id arrays (not a mix of strings and token ids)", param="prompt")
-        for p in prompt:
+        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        for p in prompts:
             if not isinstance(p, str) and not all(0 <= t < self.vocab_size for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return [self._encode(p, "prompt", add_special_tokens) if isinstance(p, str) else p for p in prompt]
+        return [self._encode(p, "prompt", add_special_tokens) if isinstance(p, str) else p for p in prompts]
 
-    def _render_chat(self, messages: Any, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    def _render_chat(self, messages: list[ChatMessage] | list[dict], tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> str:
         """``messages`` (and ``tools``) through the chat template, with the assistant turn opened;
         ``template_kwargs`` go to the template (``enable_thinking``, ...). Roles are OpenAI's
         (``developer`` is rendered as ``system``); content is a string or an array of text parts
         (null for an assistant message with tool_calls)."""
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' must be a non-empty array", param="messages")
-        self.limits.check(messages, "messages", "messages")
+        stop_if_client_gone()
         rendered = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
-                raise APIError(400, f"each message must be an object whose 'role' is one of "
-                                    f"{', '.join(sorted(MESSAGE_ROLES))}", param=f"messages[{i}].role")
+            m = m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m
             content = m.get("content")
             if isinstance(content, list):
-                self.limits.check(content, "content_parts", f"messages[{i}].content")
-                if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                    content = "".join(p["text"] for p in content)
+                content = "".join(p["text"] for p in content)
             if not (isinstance(content, str) or content is None and m["role"] == "assistant" and m.get("tool_calls")):
-                raise APIError(400, "a message's 'content' must be a string or an array of text parts (null for "
+                raise APIError(400, f"'messages[{i}].content' must be a string or an array of text parts (null for "
                                     "an assistant message with tool_calls)", param=f"messages[{i}].content")
             role = "system" if m["role"] == "developer" else m["role"]
             rendered.append({**m, "role": role, "content": content})
@@ -427,15 +377,17 @@ class OpenAIProtocol:
             raise APIError(400, f"the prompt has {len(text)} characters: more than this model's maximum context "
                                 f"length of {self.max_model_len} tokens (max_model_len) can hold",
                            param=param, code="context_length_exceeded")
+        stop_if_client_gone()
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # as LLMEngine.add_request(str)
         if not token_ids:
             raise APIError(400, "the prompt encodes to no tokens", param=param)
         return token_ids
 
     def _fit(self, prompt: list[int], params: SamplingParams, max_tokens: int | None, default: int | None,
-             param: str) -> SamplingParams:
-        """``params`` whose max_tokens fits max_model_len after ``prompt``: the requested one if it
-        fits (else a 400), or ``default`` (None: all the room) capped by the room left."""
+             param: str, max_param: str) -> SamplingParams:
+        """``params`` whose max_tokens fits max_model_len after ``prompt`` (the field ``param``): the
+        requested one (the field ``max_param``) if it fits (else a 400), or ``default`` (None: all
+        the room) capped by the room left."""
         n, limit = len(prompt), self.max_model_len
         room = limit - n
         if room < 1:
@@ -443,34 +395,31 @@ class OpenAIProtocol:
                                 f"tokens (max_model_len) for prompt and completion together",
                            param=param, code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens={max_tokens} with a prompt of {n} tokens exceeds this model's maximum "
-                                f"context length of {limit} tokens (max_model_len); at most {room} new tokens fit",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(400, f"'{max_param}' {max_tokens} with a prompt of {n} tokens exceeds this model's "
+                                f"maximum context length of {limit} tokens (max_model_len); at most {room} new "
+                                "tokens fit", param=max_param, code="context_length_exceeded")
         fitted = max_tokens or min(default or room, room)
         if params.min_tokens > fitted:
             raise APIError(400, f"'min_tokens' ({params.min_tokens}) exceeds max_tokens ({fitted})",
                            param="min_tokens")
         return dataclasses.replace(params, max_tokens=fitted)
 
-    def tokenize(self, body: dict) -> list[int]:
-        """A /tokenize body, ``{"prompt": text}`` (encoded as a completion's prompt; with
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """A /tokenize request, ``{"prompt": text}`` (encoded as a completion's prompt; with
         ``add_special_tokens``) or ``{"messages": [...]}`` (rendered as a chat's), as token ids."""
-        check_fields(body, {"model", "prompt", "messages", "add_special_tokens"}, {})
-        self._check_model(body)
-        if ("prompt" in body) == ("messages" in body):
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either 'prompt' or 'messages'", param="prompt")
-        if "messages" in body:
-            return self._encode(self._render_chat(body["messages"]), "messages")
-        return self._encode(field(body, "prompt", str, ""), "prompt", field(body, "add_special_tokens", bool, False))
+        if req.messages is not None:
+            return self._encode(self._render_chat(req.messages), "messages")
+        return self._encode(req.prompt, "prompt", bool(req.add_special_tokens))
 
-    def detokenize(self, body: dict) -> str:
-        """A /detokenize body, ``{"tokens": [ids]}``, as text."""
-        check_fields(body, {"model", "tokens"}, {})
-        self._check_model(body)
-        tokens = field(body, "tokens", list, [])
-        if not all(map(self._token_id, tokens)):
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        """A /detokenize request, ``{"tokens": [ids]}``, as text."""
+        self._check_model(req.model)
+        if not all(map(self._token_id, req.tokens)):
             raise APIError(400, f"'tokens' must be an array of token ids in [0, {self.vocab_size})", param="tokens")
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(req.tokens)
 
     # ---- responses ---------------------------------------------------------------------------
 
@@ -553,22 +502,11 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_draft_tokens: 
     return counts
 
 
-AGENT_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "response_format",
-                     "structured_outputs", "reasoning_effort")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
-
-
-def _constrained(body: dict) -> bool:
-    """The request asks to constrain its output (``response_format`` other than text, ``structured_outputs``)."""
-    return body.get("structured_outputs") is not None or body.get("response_format") not in (None, {"type": "text"})
-
-
-def _uses_agent_features(body: dict) -> bool:
-    """The chat request uses tools, a tool history, a constraint or template arguments."""
-    messages = body.get("messages")
-    history = isinstance(messages, list) and any(
-        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
-    return history or any(body.get(name) is not None for name in AGENT_CHAT_FIELDS)
+def _chars(message: ChatMessage) -> int:
+    """The characters of a message's text and tool-call arguments (what its rendering writes at least)."""
+    content = message.content
+    chars = len(content) if isinstance(content, str) else sum(len(p.text) for p in content or [])
+    return chars + sum(len(call.function.arguments) for call in message.tool_calls or [])
 
 
 def _finite(x: float) -> float:

@@ -1,8 +1,9 @@
 """What every route reads from a request before its API's own rules: the body as a JSON object of
-bounded size, depth and valid text (``parse_json``), its fields by type (``field``,
-``bounded_int``), the caps on the lists a request may hold (``RequestLimits``), and the error a
-client's fault becomes (``APIError``: a status, a message that never echoes a large input back,
-the field it names).
+bounded size, depth and valid text (``parse_json``), the caps on what a request may hold
+(``RequestLimits``), the error a client's fault becomes (``APIError``: a status, a message that
+never echoes a large input back, the field it names), and the signal that stops a request's
+reading once its client has gone (``stop_if_client_gone``). Each API's fields are typed by its
+request models (``request_model``).
 
 A body is refused with a 400 naming the cause when it is not JSON (NaN and Infinity included), not
 an object, nests deeper than ``MAX_JSON_DEPTH`` levels, or holds a string with a lone surrogate
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -50,25 +53,6 @@ def shown(value: Any, limit: int = 60) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return clipped(text, limit)
-
-
-def unknown_field(name: str) -> APIError:
-    """The 400 of a field no API served here has (its name cut to 64 characters)."""
-    name = clipped(name, 64)
-    return APIError(400, f"unknown field '{name}'", param=name)
-
-
-def check_fields(body: dict, known: set[str], refused: dict[str, tuple], why: str = "") -> None:
-    """The field policy of an API: every field of ``body`` is ``known`` (honoured or ignored), or
-    one of ``refused`` asking for nothing (one of the values it lists), else a 400 naming it:
-    "not supported" (and ``why``) for a refused one, "unknown field" for any other."""
-    for name, value in body.items():
-        if name in known:
-            continue
-        if name not in refused:
-            raise unknown_field(name)
-        if not any(value == v and type(value) is type(v) for v in refused[name]):
-            raise APIError(400, f"'{name}' is not supported by this server{why}", param=name)
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -126,39 +110,29 @@ def _check_text(text: str) -> None:
                             "which is not text: send the character it is half of") from None
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
+class ClientGone(Exception):
+    """The client of the request being read has gone: its work stops here."""
 
 
-def field(body: dict, name: str, kind: type, default: Any = None, param: str | None = None) -> Any:
-    """``body[name]`` checked to be a ``kind`` (a float may be given as an int; a bool is never a
-    number); ``default`` when absent or null; else a 400 naming the field (``param``, default ``name``)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    types = (int, float) if kind is float else kind
-    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
-        param = param or name
-        raise APIError(400, f"'{param}' must be {_TYPE_NAMES[kind]}, got {shown(value)}", param=param)
-    return value
+client_gone: ContextVar[threading.Event | None] = ContextVar("client_gone", default=None)
 
 
-def bounded_int(body: dict, name: str, low: int, high: int, default: int | None,
-                param: str | None = None) -> int | None:
-    """``field(body, name, int)`` in ``[low, high]``, else a 400 naming the field."""
-    value = field(body, name, int, default, param)
-    if value is not None and not low <= value <= high:
-        param = param or name
-        raise APIError(400, f"'{param}' must be an integer in [{low}, {high}], got {value}", param=param)
-    return value
+def stop_if_client_gone() -> None:
+    """Between the costly stages of reading a request (schema checks, rendering, tokenizing):
+    raise ``ClientGone`` once the request's client has gone (``client_gone``, set by the server
+    around each request's reading), so no worker keeps paying for an answer nobody reads."""
+    gone = client_gone.get()
+    if gone is not None and gone.is_set():
+        raise ClientGone()
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """The most items each list of a request may hold, checked where the request enters, before
-    any work that grows with them; each is a ``serve`` flag (``--max-prompts`` ...). vLLM caps
-    none of these; OpenAI caps tools at 128. Stop strings (16), stop token ids (64) and bad words
-    (64) have the engine's own fixed caps (``engine.scheduling.sequence``), checked as early."""
+    any work that grows with them, and the most sequences (prompts x n) one request may run; each
+    is a ``serve`` flag (``--max-prompts`` ...). vLLM caps none of these; OpenAI caps tools at 128.
+    Stop strings (16), stop token ids (64) and bad words (64) have the engine's own fixed caps
+    (``engine.scheduling.sequence``), checked as early."""
 
     body_mib: int = 8         # MiB of a request body (a 413 past it): decoding 8 MiB of JSON holds the GIL < 1 s
     prompts: int = 256        # a /v1/completions prompt array (each prompt runs n choices)
@@ -168,28 +142,22 @@ class RequestLimits:
     history_tool_calls: int = 4096  # assistant tool calls in a request's history, all together
     logit_bias: int = 1024    # logit_bias entries
     allowed_token_ids: int = 1 << 20
+    sequences_per_request: int | None = None  # prompts x n of one request (None: 4 x the engine's max_num_seqs)
 
     HELP = {"body_mib": "MiB of a request body", "prompts": "prompts in one /v1/completions request",
             "messages": "messages (or input items) of a request",
             "content_parts": "content parts of one message", "tools": "tools of a request",
             "history_tool_calls": "assistant tool calls in a request's history",
             "logit_bias": "logit_bias entries of a request",
-            "allowed_token_ids": "allowed_token_ids of a request"}
-
-    def check(self, items: list, name: str, param: str) -> list:
-        """``items`` (the request's field ``param``) unless it holds more than the cap ``name``: a
-        400 naming the field and the cap."""
-        cap = getattr(self, name)
-        if len(items) > cap:
-            raise APIError(400, f"'{param}' holds {len(items)} items; this server takes at most {cap} "
-                                f"(serve --max-{name.replace('_', '-')})", param=param, code="too_many_items")
-        return items
+            "allowed_token_ids": "allowed_token_ids of a request",
+            "sequences_per_request": "sequences (prompts x n) one request may run"}
 
     @classmethod
     def add_cli_args(cls, group: argparse._ArgumentGroup) -> None:
         for f in fields(cls):
+            default = "4 x --max-num-seqs" if f.default is None else f.default
             group.add_argument(f"--max-{f.name.replace('_', '-')}", type=int, default=f.default, metavar="N",
-                               help=f"the most {cls.HELP[f.name]} (default {f.default}; more is a "
+                               help=f"the most {cls.HELP[f.name]} (default {default}; more is a "
                                     f"{413 if f.name == 'body_mib' else 400})")
 
     @classmethod

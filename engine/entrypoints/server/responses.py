@@ -1,7 +1,10 @@
 """OpenAI's Responses API: ``POST /v1/responses``, stateless.
 
-A request is read as the chat request it amounts to (``chat_body``) and takes the chat path to the
-engine (template, sampling, grammar, tool-call and reasoning parsers); only its shapes are its own:
+A request arrives typed (``responses_types.ResponsesRequest``) and is read as the chat request it
+amounts to (``chat_body``), which takes the chat path to the engine (template, sampling, grammar,
+tool-call and reasoning parsers); every error of that reading names the client's own field
+(``max_output_tokens``, ``input[3].call_id``, ``text.format.schema``), never the chat field it
+became. Only its shapes are its own:
 
 - ``input``: a string (one user message) or a list of items: messages (``role`` user, assistant,
   system or developer; content a string or ``input_text`` / ``output_text`` parts),
@@ -38,132 +41,116 @@ from typing import Any
 from aiohttp import web
 
 from engine.entrypoints.server.generation import Generation, sse_response
+from engine.entrypoints.server.openai_types import ChatRequest
 from engine.entrypoints.server.output_blocks import Block, BlockStream, Grew, Opened, streamed_blocks, whole_blocks
 from engine.entrypoints.server.protocol import GenerationRequest, OpenAIProtocol
-from engine.entrypoints.server.request_body import APIError, check_fields, field, shown
-
-HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-            "parallel_tool_calls", "text", "reasoning", "stream"}
-IGNORED = {"store", "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-           "service_tier", "include", "truncation", "stream_options", "max_tool_calls"}
-REFUSED = {"previous_response_id": (None,), "conversation": (None,), "prompt": (None,), "background": (None, False),
-           "top_logprobs": (None, 0)}
-ROLES = {"user", "assistant", "system", "developer"}
-TEXT_PARTS = {"input_text", "output_text", "text"}
-
-
-def chat_body(body: dict, protocol: OpenAIProtocol) -> dict:
-    """The chat completions body a Responses request amounts to (a 400 naming the field that
-    cannot be read)."""
-    check_fields(body, HONOURED | IGNORED, REFUSED, ": this server stores no responses")
-    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "parallel_tool_calls", "stream")
-                            if body.get(k) is not None}
-    chat["messages"] = _messages(body, protocol)
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    if body.get("tools") is not None:
-        chat["tools"] = [_tool(t, i) for i, t in enumerate(protocol.limits.check(field(body, "tools", list), "tools",
-                                                                                 "tools"))]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    text = field(body, "text", dict, {})
-    if text.get("format") is not None:
-        chat["response_format"] = _response_format(text["format"])
-    effort = field(body, "reasoning", dict, {}).get("effort")
-    if effort is not None:
-        chat["reasoning_effort"] = effort
-    return chat
+from engine.entrypoints.server.request_body import APIError
+from engine.entrypoints.server.request_model import PathMap, validated
+from engine.entrypoints.server.responses_types import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ResponsesRequest,
+    TextPart,
+)
 
 
-def _messages(body: dict, protocol: OpenAIProtocol) -> list[dict]:
-    messages = []
-    instructions = field(body, "instructions", str)
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise APIError(400, "'input' must be a string or a non-empty array of items", param="input")
-    for i, item in enumerate(protocol.limits.check(items, "messages", "input")):
+def chat_body(req: ResponsesRequest) -> tuple[dict, PathMap]:
+    """The chat completions body a Responses request amounts to, and where each of its fields came
+    from in the client's request."""
+    paths = PathMap()
+    chat: dict[str, Any] = {k: getattr(req, k) for k in ("model", "temperature", "top_p", "parallel_tool_calls",
+                                                         "stream") if getattr(req, k) is not None}
+    chat["messages"] = _messages(req, paths)
+    if req.max_output_tokens is not None:
+        chat["max_completion_tokens"] = req.max_output_tokens
+        paths.add("max_completion_tokens", "max_output_tokens")
+    if req.tools is not None:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in req.tools]
+        for i in range(len(req.tools)):
+            paths.add(f"tools[{i}].function", f"tools[{i}]")
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                      "function": {"name": choice.name}}
+        paths.add("tool_choice.function", "tool_choice")
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None:
+        chat["response_format"] = fmt if fmt.get("type") != "json_schema" else {
+            "type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        paths.add("response_format.json_schema", "text.format")
+        paths.add("response_format", "text.format")
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        chat["reasoning_effort"] = req.reasoning.effort
+        paths.add("reasoning_effort", "reasoning.effort")
+    return chat, paths
+
+
+def _messages(req: ResponsesRequest, paths: PathMap) -> list[dict]:
+    """The chat messages of ``instructions`` and ``input``: function calls joined into the
+    assistant's turn, reasoning items dropped."""
+    messages: list[dict] = []
+
+    def add(message: dict, sent: str) -> None:
+        paths.add(f"messages[{len(messages)}]", sent)
+        messages.append(message)
+
+    if req.instructions:
+        add({"role": "system", "content": req.instructions}, "instructions")
+    if isinstance(req.input, str):
+        add({"role": "user", "content": req.input}, "input")
+        return messages
+    paths.add("messages", "input")
+    for i, item in enumerate(req.input):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            if item.get("role") not in ROLES:
-                raise APIError(400, f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", param=f"{where}.role")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), f"{where}.content",
-                                                                    protocol)})
-        elif kind == "function_call":
-            call = {"id": field(item, "call_id", str, param=f"{where}.call_id"), "type": "function",
-                    "function": {"name": field(item, "name", str, param=f"{where}.name"),
-                                 "arguments": field(item, "arguments", str, param=f"{where}.arguments")}}
+        if isinstance(item, MessageItem):
+            add({"role": item.role, "content": _text(item.content)}, where)
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, param=f"{where}.call_id"),
-                             "content": _text(item.get("output"), f"{where}.output", protocol)})
-        elif kind != "reasoning":
-            raise APIError(400, f"'{where}.type' must be message, function_call, function_call_output or "
-                                f"reasoning, got {shown(kind)}", param=f"{where}.type")
+            if last is None or last["role"] != "assistant":
+                add({"role": "assistant", "content": None, "tool_calls": []}, where)
+                last = messages[-1]
+            calls = last.setdefault("tool_calls", [])
+            paths.add(f"messages[{len(messages) - 1}].tool_calls[{len(calls)}].function", where)
+            paths.add(f"messages[{len(messages) - 1}].tool_calls[{len(calls)}].id", f"{where}.call_id")
+            calls.append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            add({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}, where)
+            paths.add(f"messages[{len(messages) - 1}].tool_call_id", f"{where}.call_id")
+            paths.add(f"messages[{len(messages) - 1}].content", f"{where}.output")
     return messages
 
 
-def _text(content: Any, where: str, protocol: OpenAIProtocol) -> str:
+def _text(content: str | list[TextPart]) -> str:
     """A string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        protocol.limits.check(content, "content_parts", where)
-        if all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
-               for p in content):
-            return "".join(p["text"] for p in content)
-    raise APIError(400, f"'{where}' must be a string or an array of text parts (input_text, output_text): this "
-                        "server reads text only", param=where)
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def _tool(tool: Any, i: int) -> dict:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise APIError(400, f"'tools[{i}]' must be a function tool ({{\"type\": \"function\", \"name\", ...}}): this "
-                            "server runs no built-in tools", param=f"tools[{i}]")
-    unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
-    if unknown:
-        raise APIError(400, f"'tools[{i}].{shown(unknown[0], 40)}' is not a field of a function tool",
-                       param=f"tools[{i}]")
-    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                                             if tool.get(k) is not None}}
-
-
-def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "name"}:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice  # strings, and what chat's check refuses naming tool_choice
-
-
-def _response_format(fmt: Any) -> dict:
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        return fmt
-    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-
-
-def parse(body: dict, protocol: OpenAIProtocol) -> tuple[GenerationRequest, dict]:
+def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRequest, dict]:
     """(Worker thread.) The request as the engine runs it, and the request fields the answer repeats."""
-    gen = protocol.chat(chat_body(body, protocol))
-    echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+    chat, paths = chat_body(req)
+    try:
+        gen = protocol.chat(validated(ChatRequest, chat, protocol.limits))
+    except APIError as e:
+        raise paths.error(e) from None
+    echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": gen.choices[0].params.temperature, "top_p": gen.choices[0].params.top_p,
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "text": {"format": field(body, "text", dict, {}).get("format") or {"type": "text"}},
-            "reasoning": body.get("reasoning"), "user": body.get("user"), "store": False,
-            "truncation": "disabled", "previous_response_id": None}
+            "tool_choice": "auto" if req.tool_choice is None else req.tool_choice if isinstance(req.tool_choice, str)
+            else req.tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "text": {"format": (req.text.format if req.text else None) or {"type": "text"}},
+            "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
+            "user": req.user, "store": False, "truncation": "disabled", "previous_response_id": None}
     return gen, echo
 
 
 async def create(server, request: web.Request) -> web.StreamResponse:
     """The route (``OpenAIServer.responses``)."""
-    gen, echo = await server.parse(request, lambda body: parse(body, server.protocol))
+    gen, echo = await server.parse(request, ResponsesRequest, lambda req: parse(req, server.protocol))
     generation = await server.generation(request, gen)
     answer = Answer(server.protocol.model_name, echo)
     try:
@@ -196,10 +183,14 @@ class Answer:
                     "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                     "total_tokens": usage["total_tokens"]}}
 
+    def item_id(self, block: Block) -> str:
+        """The id of ``block``'s output item, made when first asked for."""
+        return self._ids.setdefault(id(block), {"reasoning": "rs_", "text": "msg_", "tool_call": "fc_"}[block.kind]
+                                    + uuid.uuid4().hex)
+
     def item(self, block: Block, done: bool = True) -> dict:
         """The output item of ``block`` (``done``: whole, else as it opens)."""
-        item_id = self._ids.setdefault(id(block), {"reasoning": "rs_", "text": "msg_", "tool_call": "fc_"}[block.kind]
-                                       + uuid.uuid4().hex)
+        item_id = self.item_id(block)
         status = "completed" if done else "in_progress"
         if block.kind == "reasoning":
             return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
@@ -226,7 +217,7 @@ async def _stream(request: web.Request, generation: Generation, answer: Answer) 
     async def send_events(events: list) -> None:
         for event in events:
             block, index = blocks.blocks[event.index], event.index
-            item_id = answer.item(block, done=False)["id"]
+            item_id = answer.item_id(block)  # never the item: a call's arguments so far would be joined per event
             where = {"item_id": item_id, "output_index": index}
             if isinstance(event, Opened):
                 await send("response.output_item.added", output_index=index, item=answer.item(block, done=False))

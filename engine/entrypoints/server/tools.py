@@ -2,45 +2,28 @@
 JSON schema a forced call must follow (``call_schema``), and the messages as chat templates take
 them (``messages_for_template``).
 
-Checked: ``tools`` (at most ``max_tools``, OpenAI's 128 by default; each ``{"type": "function",
-"function": {"name", "description"?, "parameters"?, "strict"?}}``, names unique and
-``[a-zA-Z0-9_-]{1,64}``, ``parameters`` a JSON schema (Draft 2020-12) of type object),
-``tool_choice`` (``"none" | "auto" | "required" | {"type": "function", "function": {"name": <a
-tool>}}``; ``"required"`` and a named function need tools), ``parallel_tool_calls`` (a boolean),
-and in ``messages`` the assistant ``tool_calls`` (at most ``max_history_calls`` in all; ``id``:
-1 to 256 letters, digits, ``_ - . :``; ``type: "function"``; ``function.name``: a function name
-as above, whether or not the request still offers it; ``function.arguments``: a JSON object as
-text) and the ``tool`` messages (``tool_call_id``: a string naming an earlier assistant tool
-call). Names and ids are checked because chat templates write them into the prompt as they are
-(``"name": "{{ name }}"``): one holding quotes or a template's special tokens would write turns of
-its own. Unknown keys inside a tool or a tool choice are refused. Every error is a
-``ToolRequestError`` whose message starts with the field's path (``tools[1].function.parameters:
-...``) and never echoes more than ~100 characters of the input. The checks are linear in the
-body's size.
+The request's model (``openai_types.ChatRequest``) has checked every type, the tools' names, the
+history's call ids (chat templates write them into the prompt as they are) and the cap on the
+history's calls; what is checked here needs the request as a whole: tool names unique; each
+``parameters`` a JSON schema (Draft 2020-12) of type object (``spec.schema_problem``: each distinct
+schema checked once); ``tool_choice`` naming one of the tools (``"required"`` and a named function
+need tools); in ``messages`` each assistant tool call's ``arguments`` a JSON object as text, each
+``tool`` message's ``tool_call_id`` naming an earlier assistant tool call. Every error is a 400
+``APIError`` naming the field's path (``tools[1].function.parameters``) that never echoes more than
+~100 characters of the input. The checks are linear in the body's size.
 """
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
-from jsonschema import Draft202012Validator, SchemaError
-
-from engine.entrypoints.server.request_body import RequestLimits, clipped
-
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-_CALL_ID = re.compile(r"[a-zA-Z0-9_.:-]{1,256}")  # OpenAI's call_..., vLLM's chatcmpl-tool-..., Kimi's functions.f:0
-_CHOICES = ("none", "auto", "required")
-MAX_TOOLS = RequestLimits.tools  # OpenAI's own limit
-MAX_HISTORY_CALLS = RequestLimits.history_tool_calls
+from engine.entrypoints.server.openai_types import ChatRequest
+from engine.entrypoints.server.request_body import APIError, clipped, shown
+from engine.scheduling.structured.spec import schema_problem
 
 
-class ToolRequestError(ValueError):
-    """A tool field of the request that cannot be honoured (an HTTP 400); ``param``: the field's path."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
+def _error(param: str, message: str) -> APIError:
+    return APIError(400, f"'{param}' {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -56,144 +39,66 @@ class ToolRequest:
         return frozenset(tool["function"]["name"] for tool in self.tools)
 
 
-def validate_tools(body: dict, max_tools: int = MAX_TOOLS, max_history_calls: int = MAX_HISTORY_CALLS) -> ToolRequest:
-    """The tool fields of a chat request body, checked (see the module docstring)."""
-    tools = body.get("tools")
-    if tools is None:
-        tools = []
-    if not isinstance(tools, list):
-        raise ToolRequestError("tools", "must be an array")
-    if len(tools) > max_tools:
-        raise ToolRequestError("tools", f"holds {len(tools)} tools; at most {max_tools} are taken")
+def validate_tools(request: ChatRequest) -> ToolRequest:
+    """The tool fields of a typed chat request, checked (see the module docstring)."""
     names: set[str] = set()
-    for i, tool in enumerate(tools):
-        name = _check_tool(tool, f"tools[{i}]")
-        if name in names:
-            raise ToolRequestError(f"tools[{i}].function.name", f"{name!r} names two tools")
-        names.add(name)
-    choice, function = _check_choice(body.get("tool_choice"), names)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise ToolRequestError("parallel_tool_calls", "must be a boolean")
-    _check_messages(body.get("messages"), max_history_calls)
-    return ToolRequest(tools, choice, function, parallel is not False)
+    for i, tool in enumerate(request.tools or []):
+        function = tool.function
+        if function.name in names:
+            raise _error(f"tools[{i}].function.name", f"{function.name!r} names two tools")
+        names.add(function.name)
+        if function.parameters is not None:
+            _check_parameters(function.parameters, f"tools[{i}].function.parameters")
+    choice, function = _check_choice(request.tool_choice, names)
+    _check_messages(request)
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    return ToolRequest(tools, choice, function, request.parallel_tool_calls is not False)
 
 
-def _check_tool(tool, where: str) -> str:
-    if not isinstance(tool, dict):
-        raise ToolRequestError(where, "must be an object")
-    _known_keys(tool, {"type", "function"}, where)
-    if tool.get("type") != "function":
-        raise ToolRequestError(f"{where}.type", "must be 'function'")
-    function, where = tool.get("function"), f"{where}.function"
-    if not isinstance(function, dict):
-        raise ToolRequestError(where, "must be an object")
-    _known_keys(function, {"name", "description", "parameters", "strict"}, where)
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ToolRequestError(f"{where}.name", "must be 1 to 64 letters, digits, '_' or '-'")
-    if not isinstance(function.get("description", ""), str):
-        raise ToolRequestError(f"{where}.description", "must be a string")
-    if not isinstance(function.get("strict", False), bool):
-        raise ToolRequestError(f"{where}.strict", "must be a boolean")
-    if "parameters" in function:
-        _check_parameters(function["parameters"], f"{where}.parameters")
-    return name
-
-
-def _check_parameters(schema, where: str) -> None:
-    if not isinstance(schema, dict):
-        raise ToolRequestError(where, "must be a JSON schema object")
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as e:
-        raise ToolRequestError(where, f"not a JSON schema: {clipped(e.message)}") from None
+def _check_parameters(schema: dict, where: str) -> None:
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise _error(where, f"is not a JSON schema: {problem}")
     if schema.get("type", "object") != "object":
-        raise ToolRequestError(where, "must be a JSON schema of type 'object' (arguments are an object)")
+        raise _error(where, "must be a JSON schema of type 'object' (arguments are an object)")
 
 
 def _check_choice(choice, names: set[str]) -> tuple[str, str | None]:
     if choice is None:
         return ("auto" if names else "none"), None
     if isinstance(choice, str):
-        if choice not in _CHOICES:
-            raise ToolRequestError("tool_choice", "must be 'none', 'auto', 'required' or "
-                                                  "{'type': 'function', 'function': {'name': ...}}")
         if choice == "required" and not names:
-            raise ToolRequestError("tool_choice", "'required' needs tools")
+            raise _error("tool_choice", "'required' needs tools")
         return choice, None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or \
-            not isinstance(choice.get("function"), dict) or not isinstance(choice["function"].get("name"), str):
-        raise ToolRequestError("tool_choice", "must be 'none', 'auto', 'required' or "
-                                              "{'type': 'function', 'function': {'name': ...}}")
-    _known_keys(choice, {"type", "function"}, "tool_choice")
-    _known_keys(choice["function"], {"name"}, "tool_choice.function")
-    name = choice["function"]["name"]
+    name = choice.function.name
     if name not in names:
-        raise ToolRequestError("tool_choice", f"unknown function {clipped(repr(name))}")
+        raise _error("tool_choice", f"names no tool of the request: {shown(name)}")
     return "required", name
 
 
-def _check_messages(messages, max_calls: int) -> None:
-    """The tool parts of ``messages``; the rest (roles, content) is the protocol's to check."""
-    if not isinstance(messages, list):
-        return
+def _check_messages(request: ChatRequest) -> None:
+    """The tool parts of the messages; the rest (roles, content) is the protocol's to check."""
     call_ids: set[str] = set()
-    calls = 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            continue
+    for i, m in enumerate(request.messages):
         where = f"messages[{i}]"
-        if m.get("role") == "assistant" and m.get("tool_calls") is not None:
-            if not isinstance(m["tool_calls"], list):
-                raise ToolRequestError(f"{where}.tool_calls", "must be an array")
-            calls += len(m["tool_calls"])
-            if calls > max_calls:
-                raise ToolRequestError(f"{where}.tool_calls", f"the messages hold more than {max_calls} tool calls "
-                                                              "in all")
-            for j, call in enumerate(m["tool_calls"]):
-                call_ids.add(_check_message_call(call, f"{where}.tool_calls[{j}]"))
-        elif m.get("role") == "tool":
-            call_id = m.get("tool_call_id")
-            if call_id is None:
-                raise ToolRequestError(f"{where}.tool_call_id", "required for a tool message")
-            if not isinstance(call_id, str):
-                raise ToolRequestError(f"{where}.tool_call_id", "must be a string")
-            if call_id not in call_ids:
-                raise ToolRequestError(f"{where}.tool_call_id",
-                                       f"{clipped(repr(call_id))} answers no earlier tool call")
+        if m.role == "assistant" and m.tool_calls is not None:
+            for j, call in enumerate(m.tool_calls):
+                _check_arguments(call.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
+                call_ids.add(call.id)
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise _error(f"{where}.tool_call_id", "is required for a tool message")
+            if m.tool_call_id not in call_ids:
+                raise _error(f"{where}.tool_call_id", f"{clipped(repr(m.tool_call_id))} answers no earlier tool call")
 
 
-def _check_message_call(call, where: str) -> str:
-    if not isinstance(call, dict):
-        raise ToolRequestError(where, "must be an object")
-    if not isinstance(call.get("id"), str):
-        raise ToolRequestError(f"{where}.id", "must be a string")
-    if not _CALL_ID.fullmatch(call["id"]):
-        raise ToolRequestError(f"{where}.id", "must be 1 to 256 letters, digits, '_', '-', '.' or ':'")
-    if call.get("type", "function") != "function":
-        raise ToolRequestError(f"{where}.type", "must be 'function'")
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ToolRequestError(f"{where}.function", "must be an object with a string 'name'")
-    if not _NAME.fullmatch(function["name"]):
-        raise ToolRequestError(f"{where}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
-    arguments = function.get("arguments")
-    if not isinstance(arguments, str):
-        raise ToolRequestError(f"{where}.function.arguments", "must be a string (a JSON object)")
+def _check_arguments(arguments: str, where: str) -> None:
     try:
         parsed = json.loads(arguments)
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise ToolRequestError(f"{where}.function.arguments", "not a JSON object")
-    return call["id"]
-
-
-def _known_keys(obj: dict, known: set[str], where: str) -> None:
-    unknown = [key for key in obj if key not in known]
-    if unknown:
-        raise ToolRequestError(f"{where}.{clipped(min(unknown))}", "unknown field")
+        raise _error(where, "is not a JSON object")
 
 
 def call_schema(request: ToolRequest, arguments_key: str = "arguments") -> dict | None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
+import jsonschema_rs
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -62,7 +64,8 @@ def spec_from_request(body: dict) -> StructuredSpec | None:
     """The spec asked for by a request body's ``response_format`` or ``structured_outputs``
     (at most one of them), or None when neither constrains the output (absent, null, or
     ``response_format: {"type": "text"}``). Raises :class:`StructuredOutputError` naming the
-    field: a wrong type, an unknown key, a schema ``jsonschema`` refuses, an empty choice."""
+    field: a wrong type, an unknown key, a schema the meta-schema refuses (``schema_problem``), an
+    empty choice."""
     response_format, structured = body.get("response_format"), body.get("structured_outputs")
     if response_format is not None and structured is not None:
         raise StructuredOutputError("structured_outputs",
@@ -141,12 +144,9 @@ def _schema_spec(schema: Any, param: str) -> StructuredSpec:
         raise StructuredOutputError(param, f"'{param}' must be a JSON Schema object")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise StructuredOutputError(param, f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)[:100]
-        raise StructuredOutputError(param, f"'{param}' is not a valid JSON Schema"
-                                           f"{f' at {where}' if where else ''}: {e.message[:200]}") from None
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise StructuredOutputError(param, f"'{param}' is not a valid JSON Schema: {problem}")
     if any("patternProperties" in s for s in _subschemas(schema)):
         raise StructuredOutputError(param, f"'{param}' uses patternProperties, which this server cannot honour: "
                                            "the grammar cannot keep the keys it matches unique (list the "
@@ -154,9 +154,38 @@ def _schema_spec(schema: Any, param: str) -> StructuredSpec:
     return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
 
 
-MAX_SCHEMA_DEPTH = 64  # JSON levels; jsonschema's own check recurses ~10 frames a level
+MAX_SCHEMA_DEPTH = 64  # JSON levels
+SCHEMA_CACHE_SIZE = 4096  # distinct schemas whose check is remembered
 _DATA_KEYWORDS = {"const", "enum", "default", "examples"}  # their values are instances, not schemas
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def schema_problem(schema: dict) -> str | None:
+    """What makes ``schema`` no JSON Schema (Draft 2020-12's meta-schema, checked by jsonschema-rs),
+    clipped; None when it is one. Each distinct schema (by the hash of its canonical JSON) is
+    checked once while it is among the last ``SCHEMA_CACHE_SIZE``: agents send the same tools with
+    every turn. Thread-safe."""
+    canonical = json.dumps(schema, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).digest()
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return _checked[digest]
+    try:
+        jsonschema_rs.meta.validate(schema)
+        problem = None
+    except jsonschema_rs.ValidationError as e:
+        where = "/".join(map(str, e.instance_path))[:100]
+        problem = (f"at {where}: " if where else "") + e.message[:200]
+    with _checked_lock:
+        _checked[digest] = problem
+        if len(_checked) > SCHEMA_CACHE_SIZE:
+            _checked.popitem(last=False)
+    return problem
+
+
+_checked: OrderedDict[bytes, str | None] = OrderedDict()  # schema digest -> its problem, oldest first
+_checked_lock = threading.Lock()
 
 
 def _depth(value: Any) -> int:
