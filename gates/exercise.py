@@ -17,7 +17,7 @@ from pathlib import Path
 from gates import ownership
 from gates.audit import COPY_IGNORE
 from gates.schema import GateError
-from gates.skeleton import import_time, skeletonize
+from gates.skeleton import import_time, imported_calls, skeletonize
 
 CONTRACTS = "blueprint/contracts.md"
 
@@ -48,9 +48,9 @@ def select(ids: list[str], only: list[str] | None, start: str | None) -> set[str
 
 def exercise(root: Path, out: Path, phases: set[str]) -> dict[str, list[str]]:
     """Write the copy at ``out`` (absent or empty, outside ``root``); returns module path ->
-    the functions replaced there (not those the module runs while it is imported:
-    ``skeleton.import_time``). Refuses (GateError) while ownership or layering has problems,
-    since the copy would then fail phases the handed-out ones do not reach."""
+    the functions replaced there (not those a module runs while it is imported:
+    ``skeleton.import_time``, ``skeleton.imported_calls``). Refuses (GateError) while ownership or
+    layering has problems, since the copy would then fail phases the handed-out ones do not reach."""
     gates = ownership.all_gates(root)
     own = ownership.load(root, gates)
     problems = own.problems + ownership.layering(root, own, gates)
@@ -67,9 +67,10 @@ def exercise(root: Path, out: Path, phases: set[str]) -> dict[str, list[str]]:
     if (root / ".venv").exists():
         (out / ".venv").symlink_to((root / ".venv").resolve())
     replaced = {}
+    elsewhere = imported_calls({path: module.tree for path, module in own.modules.items()})
     for path, names in own.functions_of(phases).items():
         file = out / path
-        kept = import_time(own.modules[path].tree)
+        kept = import_time(own.modules[path].tree, elsewhere.get(path, set()))
         messages = {q: f"phase {own.owner_of(path, q)}: {path}::{q} — see {anchor(own.owner_of(path, q))}"
                     for q in names if q not in kept}
         if messages:

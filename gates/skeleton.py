@@ -28,34 +28,56 @@ def function_nodes(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFun
     return found
 
 
-def import_time(tree: ast.Module) -> set[str]:
+def import_time(tree: ast.Module, called_elsewhere: set[str] = frozenset()) -> set[str]:
     """Top-level functions the module calls while it is imported (from module-level code, class
-    bodies, decorators or default values; not under ``if __name__ == "__main__":``), and the ones
-    those call in turn: a skeleton of any of them would stop the module from importing, so they
+    bodies, decorators or default values; not under ``if __name__ == "__main__":``), those that
+    other modules call while they are imported (``called_elsewhere``: ``imported_calls``), and the
+    ones those call in turn: a skeleton of any of them would stop a module from importing, so they
     keep their bodies."""
-    def called(roots, bodies: bool) -> set[str]:
-        found, todo = set(), list(roots)
-        while todo:
-            node = todo.pop()
-            if isinstance(node, (ast.ClassDef, *FUNCTIONS)):  # a bare @name decorator is a call too
-                found |= {d.id for d in node.decorator_list if isinstance(d, ast.Name) and d.id in nodes}
-            if isinstance(node, (*FUNCTIONS, ast.Lambda)) and not bodies:  # only what runs at definition
-                todo += [*getattr(node, "decorator_list", []), *node.args.defaults,
-                         *(d for d in node.args.kw_defaults if d is not None)]
-                continue
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in nodes:
-                found.add(node.func.id)
-            todo += ast.iter_child_nodes(node)
-        return found
-
     nodes = {n.name: n for n in tree.body if isinstance(n, FUNCTIONS)}
-    kept = called([n for n in tree.body if not _script_only(n)], bodies=False)
+    kept = (_calls([n for n in tree.body if not _script_only(n)], False) | set(called_elsewhere)) & set(nodes)
     pending = set(kept)
     while pending:
-        new = called(nodes[pending.pop()].body, bodies=True) - kept
+        new = _calls(nodes[pending.pop()].body, True) & set(nodes) - kept
         kept |= new
         pending |= new
     return kept
+
+
+def imported_calls(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module path (``engine/a/b.py``) -> the names of its top-level functions that other modules of
+    ``trees`` import (``from engine.a.b import f``) and call while they are imported (a pydantic
+    model's field annotations built by a helper of another module, say)."""
+    found: dict[str, set[str]] = {}
+    for tree in trees.values():
+        imported = {}  # a name bound here -> (the module path it comes from, its name there)
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("engine"):
+                base = node.module.replace(".", "/")
+                source = next((p for p in (base + ".py", base + "/__init__.py") if p in trees), None)
+                imported.update({a.asname or a.name: (source, a.name) for a in node.names if source})
+        for name in _calls([n for n in tree.body if not _script_only(n)], False) & set(imported):
+            source, function = imported[name]
+            found.setdefault(source, set()).add(function)
+    return found
+
+
+def _calls(roots, bodies: bool) -> set[str]:
+    """The names called (``name(...)``, or a bare ``@name`` decorator) in ``roots``; with ``bodies``
+    false, a function's or lambda's body is skipped (only what runs at its definition counts)."""
+    found, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.ClassDef, *FUNCTIONS)):  # a bare @name decorator is a call too
+            found |= {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
+        if isinstance(node, (*FUNCTIONS, ast.Lambda)) and not bodies:  # only what runs at definition
+            todo += [*getattr(node, "decorator_list", []), *node.args.defaults,
+                     *(d for d in node.args.kw_defaults if d is not None)]
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            found.add(node.func.id)
+        todo += ast.iter_child_nodes(node)
+    return found
 
 
 def _script_only(node: ast.stmt) -> bool:

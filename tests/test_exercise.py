@@ -18,7 +18,7 @@ from gate_trees import gate, write_phase
 from gates.cli import main
 from gates.exercise import exercise
 from gates.schema import GateError
-from gates.skeleton import import_time, raising, skeletonize
+from gates.skeleton import import_time, imported_calls, raising, skeletonize
 
 SOURCE = '''\
 """A module — with a non-ASCII docstring (ast columns count bytes: ²)."""
@@ -96,6 +96,41 @@ def _structure(tree: ast.AST) -> str:
                                                                                          *AT_IMPORT}:
             node.body = node.body[:1] if ast.get_docstring(node) is not None else []
     return ast.dump(tree)
+
+
+HELPERS = """
+def capped(limit):
+    return _check(limit)
+
+
+def _check(limit):
+    return limit
+
+
+def unused_at_import():
+    return 1
+"""
+MODELS = """
+from engine.helpers import capped, unused_at_import as renamed
+
+
+class Request:
+    tools: capped("tools") = None
+
+    def later(self):
+        return renamed()
+"""
+
+
+def test_a_function_another_module_calls_while_it_is_imported_keeps_its_body():
+    """A helper another module calls at import time (a pydantic model's field built by a function of
+    another module) keeps its body, and so does what it calls; one called only from a function body
+    does not."""
+    trees = {"engine/helpers.py": ast.parse(HELPERS), "engine/models.py": ast.parse(MODELS)}
+    elsewhere = imported_calls(trees)
+    assert elsewhere == {"engine/helpers.py": {"capped"}}
+    assert import_time(trees["engine/helpers.py"], elsewhere["engine/helpers.py"]) == {"capped", "_check"}
+    assert import_time(trees["engine/helpers.py"]) == set()
 
 
 def test_a_skeleton_keeps_everything_but_the_bodies_and_raises_with_phase_symbol_and_anchor():
