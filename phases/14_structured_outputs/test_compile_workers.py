@@ -126,7 +126,10 @@ def test_a_client_may_have_only_so_many_distinct_specs_pending(make_compiler):
 
     async def main():
         tasks = [asyncio.create_task(compiler.compile_async(spec, client="a")) for spec in held]
-        await asyncio.sleep(0)  # both are pending (the tasks ran to their first wait)
+        deadline = time.monotonic() + 120  # a hang guard: the worker's thread may start late on a loaded host
+        while not compiler.calls:  # both are pending, the first taken by the worker
+            assert time.monotonic() < deadline, "the worker never took a job"
+            await asyncio.sleep(0.01)
         with pytest.raises(GrammarBusy, match="2 grammars of this client are queued or compiling") as caught:
             await compiler.compile_async(schema_spec(NESTED), client="a")
         tasks.append(asyncio.create_task(compiler.compile_async(held[1], client="a")))  # the same spec: joins
