@@ -10,6 +10,7 @@ runs (a request worker thread, never the event loop) is what the witness sees.""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -167,7 +168,7 @@ def test_every_malformed_value_is_a_4xx_naming_the_clients_field(served, witness
 
 
 def test_costly_requests_stop_when_their_clients_go(served, witness):
-    """Eight chat requests of 128 tools of 150 properties (2.6 MiB each, under every cap; under this
+    """Four chat requests of 128 tools of 150 properties (2.6 MiB each, under every cap; under this
     server's long context they pass the length bound, so their tools are checked, rendered and
     tokenised) from clients that leave at once: their work stops with them (one not yet taken by
     a worker costs nothing), so a 1-token completion right after is answered within 3 s, and a
@@ -177,7 +178,7 @@ def test_costly_requests_stop_when_their_clients_go(served, witness):
                       "tools": costly_tools()}).encode()
 
     def attack() -> float:
-        for _ in range(8):
+        for _ in range(4):
             send_and_leave(served.url, "/v1/chat/completions", raw)
         start = time.monotonic()
         status, _ = http(served.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
@@ -191,14 +192,15 @@ def test_costly_requests_stop_when_their_clients_go(served, witness):
 
 
 def test_the_reading_of_a_request_stops_once_its_client_has_gone(served, monkeypatch):
-    """A chat request whose client leaves while a worker renders its template is never tokenised:
-    the worker stops at the next stage. (The template waits, in the worker, until the server has
-    seen the client go, for at most 10 s: a guard, never a sleep, so the order is the same on any host.)"""
+    """A chat request whose client leaves while a request worker reads it is never tokenised: the
+    worker stops at its next stage. (The client leaves once the worker has begun; the template then
+    waits, in the worker, until the server has seen the client go, for at most 10 s: guards, never
+    sleeps, so the order is the same on any host.)"""
     from engine.entrypoints.server.request_body import client_gone
 
     protocol, tokenizer = served.server.protocol, served.server.protocol.tokenizer
     read, render, encode = protocol.chat, tokenizer.apply_chat_template, tokenizer.encode
-    encoded, ended = [], threading.Event()
+    encoded, started, ended = [], threading.Event(), threading.Event()
 
     def render_once_gone(*args, **kwargs):
         gone, deadline = client_gone.get(), time.monotonic() + 10
@@ -207,6 +209,7 @@ def test_the_reading_of_a_request_stops_once_its_client_has_gone(served, monkeyp
         return render(*args, **kwargs)
 
     def read_to_its_end(request):
+        started.set()
         try:
             return read(request)
         finally:
@@ -215,9 +218,14 @@ def test_the_reading_of_a_request_stops_once_its_client_has_gone(served, monkeyp
     monkeypatch.setattr(protocol, "chat", read_to_its_end)
     monkeypatch.setattr(tokenizer, "apply_chat_template", render_once_gone)
     monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
-    send_and_leave(served.url, "/v1/chat/completions", json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "nobody waits"}], "max_tokens": 1}).encode())
-    assert ended.wait(HANG_GUARD_S), "the request was never read"
+    raw = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "nobody waits"}],
+                      "max_tokens": 1}).encode()
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        assert started.wait(HANG_GUARD_S), "the request was never read"
+    assert ended.wait(HANG_GUARD_S), "the request's reading never ended"
     assert not any("nobody waits" in text for text in encoded), "the request of a client that had gone was tokenised"
 
 

@@ -81,6 +81,7 @@ from engine.entrypoints.server.request_body import (
     check_content_type,
     client_gone,
     parse_json,
+    stop_if_client_gone,
 )
 from engine.entrypoints.server.request_model import Model, validated
 from engine.entrypoints.server.tool_parsers import tool_parser
@@ -334,7 +335,10 @@ class OpenAIServer:
 
         def work() -> Any:
             client_gone.set(gone)
-            return read(validated(model, parse_json(inflate(body, self.max_body_bytes)), self.protocol.limits))
+            stop_if_client_gone()  # gone while the request waited for a worker
+            decoded = parse_json(inflate(body, self.max_body_bytes))
+            stop_if_client_gone()
+            return read(validated(model, decoded, self.protocol.limits))
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self.workers, contextvars.copy_context().run, work)
