@@ -56,8 +56,10 @@ class EngineArgs:
     kv_cache_dtype: str = _option("auto", "--kv-cache-dtype", "auto: the KV cache in the model's dtype (default); "
                                   "fp8 (or fp8_e4m3): e4m3, half the bytes of bf16, values saturated at ±448 with "
                                   "scale 1 (not for the hf backend)", choices=list(KV_CACHE_DTYPES))
-    mem_utilization: float = _option(0.9, "--mem-utilization", "fraction of the free device memory the KV cache may "
-                                     "take (default 0.9)", type=float)
+    mem_utilization: float = _option(0.9, "--mem-utilization", "fraction of the memory free after loading (the "
+                                     "device's; on CPU the host's) the KV cache may take (default 0.9)", type=float)
+    kv_cache_memory: float | None = _option(None, "--kv-cache-memory", "GiB the KV cache may take, in place of "
+                                            "--mem-utilization (default: not set)", type=float, metavar="GIB")
     enable_prefix_caching: bool = _option(True, "--no-prefix-caching", "turn prefix caching off")
     enforce_eager: bool = _option(False, "--enforce-eager", "decode without CUDA graphs (graphs are the default on "
                                   "CUDA)")

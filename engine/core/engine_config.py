@@ -63,9 +63,10 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}  # vLL
 @dataclass(frozen=True)
 class CacheSettings:
     """The paged KV cache: ``block_size`` tokens per block, in ``dtype`` (None: the model's; e4m3 for
-    ``--kv-cache-dtype fp8``, see ``kernels.store_kv_cache``); the pool takes at most
-    ``mem_utilization`` of the device memory free after loading, less ``reserve_bytes`` kept for
-    activations (its size is planned by the runner from the workload, ``kv_cache.plan_num_blocks``);
+    ``--kv-cache-dtype fp8``, see ``kernels.store_kv_cache``); the pool takes at most ``budget_bytes``,
+    or (None) ``mem_utilization`` of the memory free after loading (the device's; on CPU the host's),
+    less ``reserve_bytes`` kept for activations (its size is planned by the runner from the workload,
+    ``kv_cache.plan_num_blocks``);
     ``enable_prefix_caching`` (off for the hf backend: each sequence runs its whole prompt in
     transformers' own cache)."""
 
@@ -73,6 +74,7 @@ class CacheSettings:
     dtype: torch.dtype | None
     mem_utilization: float
     reserve_bytes: int
+    budget_bytes: int | None
     enable_prefix_caching: bool
 
 
@@ -214,13 +216,22 @@ def resolve(args: EngineArgs) -> EngineConfig:
         ModelSettings(model_dir, name, config, args.backend, model_class, dtype or default_dtype(config, device),
                       args.quantization),
         CacheSettings(args.block_size, _kv_cache_dtype(args.kv_cache_dtype, ours), args.mem_utilization,
-                      args.reserve_bytes, args.enable_prefix_caching and ours),
+                      args.reserve_bytes, _kv_cache_budget(args.kv_cache_memory), args.enable_prefix_caching and ours),
         SchedulerSettings(max_num_seqs, max_num_batched_tokens, max_model_len, args.admission,
                           _prefill_tokens_beside_decodes(args.prefill_tokens_beside_decodes, device, args.serving),
                           args.overlap and ours and speculative.method is None),
         ParallelSettings(device, cuda_graphs, _prefill_graph_tokens(args.prefill_graph_tokens, cuda_graphs and ours,
                                                                     max_num_batched_tokens), args.custom_all_reduce),
         speculative, progress, KernelSettings.from_env())
+
+
+def _kv_cache_budget(gib: float | None) -> int | None:
+    """``--kv-cache-memory`` in bytes (None: not given)."""
+    if gib is None:
+        return None
+    if not (isinstance(gib, (int, float)) and 0 < gib < float("inf")):
+        raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {gib!r}")
+    return int(gib * 2**30)
 
 
 def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, serving: bool) -> int:

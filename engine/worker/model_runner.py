@@ -51,7 +51,7 @@ from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
 from engine.worker.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
 from engine.worker.input_batch import InputBatch
-from engine.worker.kv_cache import bind_kv_cache, kv_bytes_per_token, plan_num_blocks
+from engine.worker.kv_cache import bind_kv_cache, free_memory_bytes, kv_bytes_per_token, plan_num_blocks
 from engine.worker.piecewise_graphs import PiecewiseGraphs, prefill_graph_sizes
 from engine.worker.prompt_logprobs import (
     gather_prompt_logprobs,
@@ -74,8 +74,9 @@ class ModelRunner:
     ``eos_token_ids`` the sampler's stop tokens): builds ``config.model.model_class`` on
     ``config.parallel.device`` in ``config.model.dtype``, loads ``config.model.model_dir``'s weights
     (this rank's shards), then sizes the KV pool once from what memory is left
-    (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by
-    ``config.cache.mem_utilization`` of the free device memory minus ``reserve_bytes``) and binds it,
+    (``plan_num_blocks``: ``max_num_seqs x max_model_len`` tokens, capped by ``config.cache.budget_bytes``,
+    else by ``config.cache.mem_utilization`` of the memory free after loading, the device's or on CPU the
+    host's, minus ``reserve_bytes``) and binds it,
     in ``config.cache.dtype`` (None: the model's dtype; e4m3 for an FP8 KV cache).
 
     ``launch(batch, previous) -> LaunchedStep``: one token per batch entry and per drafted token,
@@ -103,13 +104,14 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = unique_parameter_bytes(self.model)
 
-        free_bytes = None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            free_bytes = max(0, torch.cuda.mem_get_info(device)[0] - config.cache.reserve_bytes)
+        if config.cache.budget_bytes is not None:
+            free_bytes, utilization = config.cache.budget_bytes, 1.0
+        else:
+            free_bytes = max(0, free_memory_bytes(device) - config.cache.reserve_bytes)
+            utilization = config.cache.mem_utilization
         self.kv_cache_dtype = kv_cache_dtype or dtype
         num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, self.kv_cache_dtype), block_size, max_num_seqs,
-                                     max_model_len, free_bytes, config.cache.mem_utilization)
+                                     max_model_len, free_bytes, utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, self.kv_cache_dtype, device)
 

@@ -1,6 +1,7 @@
 """KV cache sizing (from the workload, capped by memory, bound once per layer) and the
 per-step attention context that maps tokens onto the paged cache."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +9,13 @@ from torch import nn
 
 from engine.distributed import TPGroup
 from engine.model.models.dense import GQAAttention
-from engine.worker.kv_cache import attention_layers, bind_kv_cache, kv_bytes_per_token, plan_num_blocks
+from engine.worker.kv_cache import (
+    attention_layers,
+    bind_kv_cache,
+    free_memory_bytes,
+    kv_bytes_per_token,
+    plan_num_blocks,
+)
 from phases.harness import engine_config
 
 
@@ -43,10 +50,25 @@ def test_pool_is_capped_by_memory_utilisation_of_free_memory():
 
 
 def test_pool_too_small_for_one_sequence_is_a_clear_error():
-    with pytest.raises(ValueError, match="max_model_len"):
+    """The error names the flags that size the pool; a utilisation out of (0, 1] is refused."""
+    with pytest.raises(ValueError, match="max_model_len") as caught:
         plan_num_blocks(1024, 16, 4, 1000, free_bytes=10 * 1024 * 16)
+    assert all(flag in str(caught.value) for flag in ("--max-model-len", "--mem-utilization", "--kv-cache-memory"))
     with pytest.raises(ValueError, match="memory_utilization"):
         plan_num_blocks(1024, 16, 4, 1000, free_bytes=2**30, memory_utilization=1.5)
+
+
+def test_free_memory_on_the_host_is_what_the_host_has_available():
+    """On CPU the pool's memory is the host's available memory: /proc/meminfo's MemAvailable where
+    there is one (read independently here), positive and no more than the host's total."""
+    free = free_memory_bytes(torch.device("cpu"))
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        fields = {line.split(":")[0]: int(line.split()[1]) << 10 for line in meminfo.read_text().splitlines()}
+        assert 0 < free <= fields["MemTotal"]
+        assert abs(free - fields["MemAvailable"]) < fields["MemTotal"] // 10  # read moments apart
+    else:
+        assert free > 0
 
 
 def test_bind_gives_every_layer_its_own_paged_cache():

@@ -244,13 +244,37 @@ def test_every_checkpoint_tensor_is_loaded(checkpoints, engines):
 
 
 def test_kv_pool_is_sized_from_the_workload(engines):
-    """On CPU (no free-memory cap) the pool is max_num_seqs x ceil(max_model_len / block_size)
-    blocks, and the one BlockManager owns exactly those blocks."""
+    """On CPU, with the host's memory to spare, the pool is max_num_seqs x ceil(max_model_len /
+    block_size) blocks, and the one BlockManager owns exactly those blocks."""
     engine = engines["Qwen3ForCausalLM"]
     a = ENGINE_ARGS
     expected = a["max_num_seqs"] * -(-a["max_model_len"] // a["block_size"])
     assert engine.runner.num_blocks == expected == engine.block_manager.num_blocks
     assert all(c.shape[1] == expected for c in engine.runner.kv_caches)
+
+
+def test_kv_pool_is_bounded_by_memory_on_the_host_too(checkpoints, monkeypatch):
+    """On CPU the pool is capped as on a GPU: by --kv-cache-memory when given, else by
+    --mem-utilization of the host's free memory (here a host with 1 MiB left after the reserve);
+    a pool that cannot hold one max_model_len sequence is an error naming the flags, before any
+    cache is allocated."""
+    from engine.worker import model_runner
+
+    a = ENGINE_ARGS
+    probe = LLMEngine(checkpoints["Qwen3ForCausalLM"], **a)
+    block_bytes = probe.runner.kv_cache_bytes // probe.runner.num_blocks
+    budget_blocks = 3 * -(-a["max_model_len"] // a["block_size"])  # three sequences' worth
+    many = {**a, "max_num_seqs": 256, "max_num_batched_tokens": 256}
+    capped = LLMEngine(checkpoints["Qwen3ForCausalLM"], **many, kv_cache_memory=budget_blocks * block_bytes / 2**30)
+    assert capped.runner.num_blocks == budget_blocks == capped.block_manager.num_blocks
+    reserve = 2 << 30
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: reserve + (1 << 20))
+    host = LLMEngine(checkpoints["Qwen3ForCausalLM"], **many)
+    assert host.runner.num_blocks == int((1 << 20) * 0.9) // block_bytes < many["max_num_seqs"] * -(
+        -a["max_model_len"] // a["block_size"])
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: reserve + block_bytes)
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        LLMEngine(checkpoints["Qwen3ForCausalLM"], **a)
 
 
 def test_bad_requests_are_clear_errors(engines):
