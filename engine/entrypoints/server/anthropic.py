@@ -12,7 +12,10 @@ is Anthropic's error object. Only its shapes are its own:
   calls), ``tool_result`` (``tool_use_id``, ``content`` a string or text blocks, ``is_error``)
   and ``thinking`` / ``redacted_thinking`` (sent back by clients; dropped, as templates drop past
   reasoning). ``cache_control`` on any block or tool is accepted and ignored (prefix caching is
-  automatic).
+  automatic). A ``system`` turn may stand anywhere in ``messages`` (a string or text blocks;
+  Claude Code sends them): rendered where it stands, or, where the chat template renders no
+  system turn but a first one (``renders_system_anywhere``), its text folded into the next user
+  turn (else the last one before it).
 - ``tools``: ``{"name", "description", "input_schema"}``; ``tool_choice`` ``auto`` / ``any`` /
   ``tool`` (``name``) / ``none``, ``any`` and ``tool`` forced through the grammar path,
   ``disable_parallel_tool_use`` as ``parallel_tool_calls: false``; ``stop_sequences``,
@@ -25,13 +28,20 @@ is Anthropic's error object. Only its shapes are its own:
 - ``stream: true``: ``message_start``, ``ping``, per block ``content_block_start``,
   ``content_block_delta`` (``text_delta``, ``thinking_delta``, ``input_json_delta``),
   ``content_block_stop``; then ``message_delta`` (stop reason, output tokens) and
-  ``message_stop``; a failure mid-stream is an ``error`` event.
+  ``message_stop``; a failure mid-stream is an ``error`` event. A ``ping`` also goes out each
+  time the server's keep-alive interval passes with no token (queued, or prefilling a long
+  prompt), so a client's stream watchdogs (Claude Code's: 180 s without a byte, 300 s without an
+  event) wait.
+- A prompt the context cannot hold is a 400 in Anthropic's words, which Claude Code acts on:
+  "prompt is too long: N tokens > M maximum" (it compacts the conversation) and "input length
+  and `max_tokens` exceed context limit: N + T > C, ..." (it lowers ``max_tokens``).
 
 The API key may come as ``x-api-key`` (``engine.entrypoints.server.access``); ``anthropic-version`` and
 ``anthropic-beta`` headers are accepted.
 """
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
@@ -59,22 +69,41 @@ from engine.entrypoints.server.output_blocks import (
     streamed_blocks,
     whole_blocks,
 )
-from engine.entrypoints.server.protocol import GenerationRequest, OpenAIProtocol, usage
+from engine.entrypoints.server.protocol import ContextLengthExceeded, GenerationRequest, OpenAIProtocol, usage
 from engine.entrypoints.server.request_body import APIError
 from engine.entrypoints.server.request_model import PathMap, validated
 
 THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}  # -> enable_thinking
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+PROBE_TEXT = "mid-conversation system text"
+# a conversation whose second system turn shows in its rendering where a template renders one anywhere
+PROBE = [{"role": "system", "content": "first system text"}, {"role": "user", "content": "a question"},
+         {"role": "system", "content": PROBE_TEXT}, {"role": "user", "content": "another question"}]
 
 
-def chat_body(req: MessagesRequest, template: Any) -> tuple[dict, PathMap]:
+@functools.lru_cache(maxsize=8)
+def renders_system_anywhere(tokenizer, chat_template: str | None) -> bool:
+    """Whether the chat template (``chat_template``, else ``tokenizer``'s) renders a system turn
+    that is not the first where it stands: the probe conversation's second system text shows in
+    its rendering. A template that raises on one (as Mistral's and Gemma's do), drops it, or
+    cannot render the probe at all: False. Asked once per template."""
+    try:
+        text = tokenizer.apply_chat_template(PROBE, chat_template=chat_template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception:  # jinja2's errors, a template's raise_exception, no template
+        return False
+    return isinstance(text, str) and PROBE_TEXT in text
+
+
+def chat_body(req: MessagesRequest, template: Any, system_anywhere: bool) -> tuple[dict, PathMap]:
     """The chat completions body a Messages request amounts to (``template``: the chat template, to
-    know whether it reads ``enable_thinking``), and where each of its fields came from in the
-    client's request."""
+    know whether it reads ``enable_thinking``; ``system_anywhere``: whether it renders a system
+    turn that is not first, else such turns are folded into user turns), and where each of its
+    fields came from in the client's request."""
     paths = PathMap()
     chat: dict[str, Any] = {k: getattr(req, k) for k in ("model", "temperature", "top_p", "top_k", "stream",
                                                          "max_tokens") if getattr(req, k) is not None}
-    chat["messages"] = _messages(req, paths)
+    chat["messages"] = _messages(req, paths, system_anywhere)
     if req.stop_sequences is not None:
         chat["stop"] = req.stop_sequences
         paths.add("stop", "stop_sequences")
@@ -103,19 +132,35 @@ def chat_body(req: MessagesRequest, template: Any) -> tuple[dict, PathMap]:
     return chat, paths
 
 
-def _messages(req: MessagesRequest, paths: PathMap) -> list[dict]:
+def _messages(req: MessagesRequest, paths: PathMap, system_anywhere: bool) -> list[dict]:
     """``system`` and the turns as chat messages: a turn's tool results each a tool message
-    before its text, its text one message, its calls on the assistant's."""
+    before its text, its text one message, its calls on the assistant's; a system turn where it
+    stands, or (not ``system_anywhere``, and not first) its text folded into the next user turn,
+    else into the last one."""
     chat: list[dict] = []
+    held: list[str] = []  # system text not yet folded into a user turn
+
+    def add(message: dict, sent: str) -> None:
+        if held and message["role"] == "user":
+            message = {**message, "content": "\n\n".join([*held, message["content"]])}
+            held.clear()
+        paths.add(f"messages[{len(chat)}]", sent)
+        chat.append(message)
+
     if req.system:
-        paths.add(f"messages[{len(chat)}]", "system")
-        chat.append({"role": "system", "content": _text(req.system)})
+        add({"role": "system", "content": _text(req.system)}, "system")
     paths.add("messages", "messages")
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
+        if m.role == "system":
+            text = _system_text(m.content, where)
+            if chat and not system_anywhere:
+                held.append(text)
+            else:
+                add({"role": "system", "content": text}, where)
+            continue
         if isinstance(m.content, str):
-            paths.add(f"messages[{len(chat)}]", where)
-            chat.append({"role": m.role, "content": m.content})
+            add({"role": m.role, "content": m.content}, where)
             continue
         texts, calls = [], []
         for j, block in enumerate(m.content):
@@ -132,15 +177,30 @@ def _messages(req: MessagesRequest, paths: PathMap) -> list[dict]:
                 if m.role != "user":
                     raise APIError(400, f"'{at}.type' tool_result blocks belong to user turns", param=f"{at}.type")
                 paths.add(f"messages[{len(chat)}].tool_call_id", f"{at}.tool_use_id")
-                paths.add(f"messages[{len(chat)}]", at)
-                chat.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+                add({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)}, at)
             elif isinstance(block, TextBlock):
                 texts.append(block.text)
         if calls or texts:
-            paths.add(f"messages[{len(chat)}]", where)
-            chat.append({"role": m.role, "content": "".join(texts) or None, "tool_calls": calls} if calls
-                        else {"role": m.role, "content": "".join(texts)})
+            add({"role": m.role, "content": "".join(texts) or None, "tool_calls": calls} if calls
+                else {"role": m.role, "content": "".join(texts)}, where)
+    if held:  # no user turn after them: the last one before takes them
+        last = next((m for m in reversed(chat) if m["role"] == "user"), None)
+        if last is None:
+            add({"role": "system", "content": "\n\n".join(held)}, "messages")
+        else:
+            last["content"] = "\n\n".join([last["content"], *held])
     return chat
+
+
+def _system_text(content: Any, where: str) -> str:
+    """A system turn's content: a string, or text blocks joined (a 400 naming any other block)."""
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        if not isinstance(block, TextBlock):
+            raise APIError(400, f"'{where}.content[{j}].type' a system turn holds text blocks only",
+                           param=f"{where}.content[{j}].type")
+    return _text(content)
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -167,12 +227,29 @@ def _tool_choice(choice: ToolChoice) -> dict:
 
 
 def _chat(req: MessagesRequest, protocol: OpenAIProtocol) -> GenerationRequest:
-    """The request through the chat path, its errors naming the client's fields."""
-    chat, paths = chat_body(req, protocol.chat_template or protocol.tokenizer.chat_template)
+    """The request through the chat path, its errors naming the client's fields (a prompt the
+    context cannot hold: in Anthropic's words, ``context_error``)."""
+    anywhere = not any(m.role == "system" for m in req.messages) or renders_system_anywhere(
+        protocol.tokenizer, protocol.chat_template)
+    chat, paths = chat_body(req, protocol.chat_template or protocol.tokenizer.chat_template, anywhere)
     try:
         return protocol.chat(validated(ChatRequest, chat, protocol.limits))
+    except ContextLengthExceeded as e:
+        raise paths.error(context_error(e)) from None
     except APIError as e:
         raise paths.error(e) from None
+
+
+def context_error(e: ContextLengthExceeded) -> APIError:
+    """``e`` worded as Anthropic's API words it, with the numbers Claude Code reads from it: a
+    prompt that alone exceeds the most it may hold (``max_model_len`` - 1: one token must be
+    generated), or a prompt and ``max_tokens`` that together exceed the context."""
+    if e.max_tokens is None:
+        message = f"prompt is too long: {e.prompt_tokens} tokens > {e.max_model_len - 1} maximum"
+    else:
+        message = (f"input length and `max_tokens` exceed context limit: {e.prompt_tokens} + {e.max_tokens} > "
+                   f"{e.max_model_len}, decrease input length or `max_tokens` and try again")
+    return APIError(e.status, message, param=e.param, code=e.code)
 
 
 def parse(req: MessagesRequest, protocol: OpenAIProtocol) -> GenerationRequest:
@@ -195,7 +272,7 @@ async def create_message(server, request: web.Request) -> web.StreamResponse:
     message = Message(server.protocol.model_name)
     try:
         if gen.stream:
-            return await _stream(request, generation, message)
+            return await _stream(request, generation, message, server.keepalive_interval)
         out = (await generation.outputs())[0]
         blocks, finish_reason = whole_blocks(gen.parsing, out.text, out.final.finish_reason)
         usage = generation.usage(out.num_tokens)
@@ -256,7 +333,9 @@ DELTAS = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "t
           "tool_call": ("input_json_delta", "partial_json")}
 
 
-async def _stream(request: web.Request, generation: Generation, message: Message) -> web.StreamResponse:
+async def _stream(request: web.Request, generation: Generation, message: Message,
+                  keepalive: float) -> web.StreamResponse:
+    """The answer as Anthropic's events; a ``ping`` each ``keepalive`` seconds without a token."""
     response = await sse_response(request)
 
     async def send(kind: str, **data) -> None:
@@ -266,7 +345,11 @@ async def _stream(request: web.Request, generation: Generation, message: Message
     try:
         await send("message_start", message=message.head(usage(generation.gen.num_prompt_tokens, 0), streaming=True))
         await send("ping")
-        async for events, update, finish_reason, num_tokens in streamed_blocks(generation, blocks):
+        async for item in streamed_blocks(generation, blocks, keepalive):
+            if item is None:
+                await send("ping")
+                continue
+            events, update, finish_reason, num_tokens = item
             for event in events:
                 if isinstance(event, Opened):
                     await send("content_block_start", index=event.index, content_block=message.block(event.block,

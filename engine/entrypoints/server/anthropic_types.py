@@ -5,7 +5,8 @@ reads it as the chat request it amounts to.
 Content blocks are told apart by ``type``; keys of a block other than those read
 (``cache_control``, ``citations`` ...) are ignored, as are the fields of a request that mean
 nothing to this server (``metadata``, ``context_management`` ...). A tool's other documented
-fields are accepted and ignored.
+fields are accepted and ignored. A turn's ``role`` may be ``system`` anywhere in ``messages``
+(Claude Code's beta ``mid-conversation-system-2026-04-07``): its content is text.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBloc
 
 
 class Message(LenientModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Annotated[Union[str, list[Block]], capped("content_parts")]
 
 

@@ -107,13 +107,15 @@ class OpenAIServer:
     (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
     HTTPS). Parser names given are checked here; the agent path runs only for what uses it.
     ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests;
-    ``connection_limits`` are the connections' deadlines and caps (``connections``)."""
+    ``connection_limits`` are the connections' deadlines and caps (``connections``);
+    ``keepalive_interval``: the seconds after which a silent Messages or Responses stream (queued,
+    or prefilling a long prompt) gets a keep-alive event, so agents' stream watchdogs wait."""
 
     def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
                  allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None,
                  limits: RequestLimits = RequestLimits(), request_workers: int | None = None,
-                 connection_limits: ConnectionLimits = ConnectionLimits()):
+                 connection_limits: ConnectionLimits = ConnectionLimits(), keepalive_interval: float = 10.0):
         engine = engine_loop.engine
         self.engine_loop, self.model_name = engine_loop, model_name
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
@@ -126,6 +128,9 @@ class OpenAIServer:
                                        limits=dataclasses.replace(limits, sequences_per_request=(
                                            limits.sequences_per_request or 4 * engine.scheduler.max_num_seqs)))
         self.max_model_len = engine.max_model_len
+        if not keepalive_interval > 0:
+            raise ValueError(f"keepalive_interval must be > 0 seconds, got {keepalive_interval}")
+        self.keepalive_interval = keepalive_interval
         self.created = int(time.time())
         self.done = asyncio.Event()
         self.workers = concurrent.futures.ThreadPoolExecutor(request_workers or default_request_workers(),
@@ -477,6 +482,9 @@ def add_serve_command(commands) -> None:
                       help="seconds between the stats lines logged while busy (default 10)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log level (default info: a line per finished request and the stats lines)")
+    http.add_argument("--keepalive-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="a /v1/messages or /v1/responses stream silent this long (queued, or prefilling a long "
+                           "prompt) gets a keep-alive event, so agents' stream watchdogs wait (default 10)")
     http.add_argument("--request-workers", type=int, default=None, metavar="N",
                       help="threads that parse, validate and tokenize requests off the event loop "
                            f"(default: one per core, 2 to 8; {default_request_workers()} here)")
@@ -522,7 +530,8 @@ def serve(args: argparse.Namespace) -> int:
                               allowed_origins=args.allowed_origins,
                               ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
                               limits=RequestLimits.from_cli_args(args), request_workers=args.request_workers,
-                              connection_limits=ConnectionLimits.from_cli_args(args))
+                              connection_limits=ConnectionLimits.from_cli_args(args),
+                              keepalive_interval=args.keepalive_interval)
         asyncio.run(_serve(server, args.host, args.port, args.shutdown_timeout))
     finally:
         engine_loop.stop()

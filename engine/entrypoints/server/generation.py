@@ -8,7 +8,9 @@ comes (``updates``: the choice's position and a ``RequestOutput`` delta: new tok
 logprobs, the finish) or whole (``outputs``), and aborts whatever still runs when it is closed
 (the client gone, an error, the answer written). A choice that failed in the engine raises its
 ``APIError`` where its last update would be: rejected by the engine 400, failed in a step 500,
-aborted (the server shutting down) 503.
+aborted (the server shutting down) 503. A stream that must show its client it is alive while no
+token comes (queued, or prefilling a long prompt: agents' clients give up on a silent stream)
+asks ``updates`` for a tick every so many idle seconds and writes its API's keep-alive on each.
 """
 from __future__ import annotations
 
@@ -60,11 +62,14 @@ class Generation:
         for s in self.streams:
             self.engine_loop.abort(s)
 
-    async def updates(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def updates(self, tick: float | None = None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """``(position, delta)`` of each choice's progress until every choice has finished; a
-        failed choice raises its error instead of its last delta."""
+        failed choice raises its error instead of its last delta. With ``tick`` (seconds), None
+        each time that long has passed without an update (a stream's keep-alive)."""
         while not all(self.finals):
-            await self.bell.wait()
+            if not await self._rung(tick):
+                yield None
+                continue
             self.bell.clear()
             for i, s in enumerate(self.streams):
                 update = s.take() if self.finals[i] is None else None
@@ -74,6 +79,15 @@ class Generation:
                     self.finals[i] = update
                     raise_if_failed(update)
                 yield i, update
+
+    async def _rung(self, timeout: float | None) -> bool:
+        """Whether the bell rang within ``timeout`` seconds (None: it is waited for)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.bell.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def outputs(self) -> list[ChoiceOutput]:
         """Every choice, whole, once all have finished."""

@@ -118,15 +118,20 @@ def whole_blocks(parsing: ChatParsing | None, text: str, finish_reason: str | No
     return blocks.blocks, finish_reason
 
 
-async def streamed_blocks(generation: Generation, blocks: BlockStream) -> AsyncIterator[
-        tuple[list[Opened | Grew | Closed], RequestOutput, str | None, int]]:
+async def streamed_blocks(generation: Generation, blocks: BlockStream, tick: float | None) -> AsyncIterator[
+        tuple[list[Opened | Grew | Closed], RequestOutput, str | None, int] | None]:
     """The one choice of ``generation`` fed through ``blocks`` as it runs: per engine update, its
     block events (the last update's close the open block), the update itself, the finish reason as
     the parsers give it ("tool_calls" when calls end it; None before the end) and the output tokens
-    so far. Raises ``APIError`` as ``Generation.updates`` does."""
+    so far; with ``tick`` (seconds), None each time that long passed without an update (the
+    stream's keep-alive is due). Raises ``APIError`` as ``Generation.updates`` does."""
     parsing = generation.gen.parsing
     chat, num_tokens = (parsing.stream() if parsing else None), 0
-    async for _, update in generation.updates():
+    async for item in generation.updates(tick):
+        if item is None:
+            yield None
+            continue
+        update = item[1]
         num_tokens += len(update.token_ids)
         deltas = chat.feed(update.text) if chat else [{"content": update.text}] if update.text else []
         finish_reason = update.finish_reason

@@ -71,6 +71,19 @@ RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation
                             "continue_final_message", "return_dict", "chat_template"}
 
 
+class ContextLengthExceeded(APIError):
+    """A prompt, or a prompt with the output asked for, that the context cannot hold (400,
+    ``context_length_exceeded``), with its numbers, so an API can word it as its clients read it
+    (Anthropic's "prompt is too long: N tokens > M maximum", on which Claude Code compacts):
+    ``prompt_tokens`` (for a prompt refused by its characters before it was tokenized, the fewest
+    tokens those characters can encode to), ``max_tokens`` (the output asked for; None: the prompt
+    alone does not fit) and ``max_model_len``."""
+
+    def __init__(self, message: str, param: str, prompt_tokens: int, max_tokens: int | None, max_model_len: int):
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+
+
 @dataclass
 class Choice:
     """One engine request of an HTTP request: the choice ``index`` of prompt ``prompt_index``."""
@@ -171,9 +184,8 @@ class OpenAIProtocol:
         tools = len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools])) if req.tools else 0
         if chars + tools > self.max_prompt_chars:
             what = "messages and tools hold" if tools else "messages hold"
-            raise APIError(400, f"the {what} {chars + tools} characters: more than this model's maximum context "
-                                f"length of {self.max_model_len} tokens (max_model_len) can hold",
-                           param="tools" if tools > chars else "messages", code="context_length_exceeded")
+            raise self._too_many_chars(f"the {what} {chars + tools} characters", chars + tools,
+                                       "tools" if tools > chars else "messages")
 
     def _agent_chat(self, req: ChatRequest) -> tuple[str, StructuredSpec | None, ChatParsing]:
         """A chat request with tools, a tool history, a constraint or template arguments (or any
@@ -374,14 +386,20 @@ class OpenAIProtocol:
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """``text`` as token ids (a 400 when it cannot fit or encodes to nothing)."""
         if len(text) > self.max_prompt_chars:
-            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's maximum context "
-                                f"length of {self.max_model_len} tokens (max_model_len) can hold",
-                           param=param, code="context_length_exceeded")
+            raise self._too_many_chars(f"the prompt has {len(text)} characters", len(text), param)
         stop_if_client_gone()
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # as LLMEngine.add_request(str)
         if not token_ids:
             raise APIError(400, "the prompt encodes to no tokens", param=param)
         return token_ids
+
+    def _too_many_chars(self, what: str, chars: int, param: str) -> ContextLengthExceeded:
+        """The error of a prompt of ``chars`` characters, more than ``max_prompt_chars``: it
+        encodes to at least ``chars`` / the longest token's characters tokens, more than fit."""
+        longest = self.max_prompt_chars // self.max_model_len
+        return ContextLengthExceeded(f"{what}: more than this model's maximum context length of "
+                                     f"{self.max_model_len} tokens (max_model_len) can hold", param,
+                                     -(-chars // longest), None, self.max_model_len)
 
     def _fit(self, prompt: list[int], params: SamplingParams, max_tokens: int | None, default: int | None,
              param: str, max_param: str) -> SamplingParams:
@@ -391,13 +409,13 @@ class OpenAIProtocol:
         n, limit = len(prompt), self.max_model_len
         room = limit - n
         if room < 1:
-            raise APIError(400, f"the prompt has {n} tokens; this model's maximum context length is {limit} "
-                                f"tokens (max_model_len) for prompt and completion together",
-                           param=param, code="context_length_exceeded")
+            raise ContextLengthExceeded(f"the prompt has {n} tokens; this model's maximum context length is {limit} "
+                                        f"tokens (max_model_len) for prompt and completion together", param, n, None,
+                                        limit)
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"'{max_param}' {max_tokens} with a prompt of {n} tokens exceeds this model's "
-                                f"maximum context length of {limit} tokens (max_model_len); at most {room} new "
-                                "tokens fit", param=max_param, code="context_length_exceeded")
+            raise ContextLengthExceeded(f"'{max_param}' {max_tokens} with a prompt of {n} tokens exceeds this "
+                                        f"model's maximum context length of {limit} tokens (max_model_len); at most "
+                                        f"{room} new tokens fit", max_param, n, max_tokens, limit)
         fitted = max_tokens or min(default or room, room)
         if params.min_tokens > fitted:
             raise APIError(400, f"'min_tokens' ({params.min_tokens}) exceeds max_tokens ({fitted})",

@@ -12,6 +12,12 @@ became. Only its shapes are its own:
   ``function_call_output`` items (tool results). ``reasoning`` items sent back are dropped (chat
   templates drop past reasoning too). ``instructions`` is a system message before them.
 - ``tools``: ``{"type": "function", "name", "description", "parameters", "strict"}``;
+  ``{"type": "namespace", "name", "description", "tools": [functions]}``, each function offered
+  to the model as ``<namespace>__<name>`` (Codex's flat name; the namespace's description before
+  its own) and its calls answered as ``{"name", "namespace"}``, as Codex routes them (calls sent
+  back with a ``namespace`` are read as the flat name); hosted tools (``web_search`` ...,
+  ``responses_types.HOSTED_TOOLS``) are dropped beside function tools, and a request offering
+  nothing else, or whose ``tool_choice`` forces one, is a 400;
   ``tool_choice`` ``auto`` / ``required`` / ``none`` / ``{"type": "function", "name"}``;
   ``text.format`` ``text`` / ``json_object`` / ``json_schema`` (through the grammar path, as chat's
   ``response_format``); ``reasoning.effort`` as chat's ``reasoning_effort``; ``max_output_tokens``.
@@ -25,7 +31,10 @@ became. Only its shapes are its own:
   ``response.output_text.delta`` ... ``.done``; ``response.reasoning_text.delta`` / ``.done``;
   ``response.function_call_arguments.delta`` / ``.done``), ``response.output_item.done``; then
   ``response.completed`` (or ``response.incomplete``). Each event names its ``type`` and a
-  ``sequence_number``; a failure mid-stream is an ``error`` event.
+  ``sequence_number``; a failure mid-stream is an ``error`` event. ``response.in_progress`` is sent
+  again each time the server's keep-alive interval passes with no token (queued, or prefilling a
+  long prompt): an event, not an SSE comment, since Codex's stream watchdog (300 s idle) counts
+  only events.
 
 Nothing is stored: ``store`` is accepted and ignored (the answer says ``"store": false``);
 ``previous_response_id``, ``conversation``, ``prompt`` and ``background: true`` need stored state
@@ -49,10 +58,57 @@ from engine.entrypoints.server.request_model import PathMap, validated
 from engine.entrypoints.server.responses_types import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    FunctionTool,
+    HostedToolChoice,
     MessageItem,
+    NamespaceTool,
     ResponsesRequest,
     TextPart,
 )
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The function name a namespace's function is offered to the model under (Codex's
+    ``ToolName::canonical_flat_name``)."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def namespaced(req: ResponsesRequest) -> dict[str, tuple[str, str]]:
+    """The flat name of each function of the request's namespaces -> (namespace, name)."""
+    return {flat_name(t.name, f.name): (t.name, f.name) for t in req.tools or [] if isinstance(t, NamespaceTool)
+            for f in t.tools if isinstance(f, FunctionTool)}
+
+
+def _functions(req: ResponsesRequest, paths: PathMap) -> list[dict]:
+    """The chat tools of the request's functions, a namespace's under their flat names; hosted
+    tools dropped beside them (an agent's whole toolbox), refused where they are all it offers
+    (what it asks for, this server cannot run)."""
+    functions: list[dict] = []
+    hosted: list[tuple[str, str]] = []  # (path, type)
+
+    def add(function: FunctionTool, sent: str, name: str, description: str = "") -> None:
+        body = function.model_dump(exclude={"type"}, exclude_none=True) | {"name": name}
+        if description.strip():
+            body["description"] = f"{description}\n\n{function.description or ''}".rstrip()
+        paths.add(f"tools[{len(functions)}].function", sent)
+        functions.append({"type": "function", "function": body})
+
+    for i, tool in enumerate(req.tools or []):
+        if isinstance(tool, FunctionTool):
+            add(tool, f"tools[{i}]", tool.name)
+        elif isinstance(tool, NamespaceTool):
+            for j, function in enumerate(tool.tools):
+                if isinstance(function, FunctionTool):
+                    add(function, f"tools[{i}].tools[{j}]", flat_name(tool.name, function.name), tool.description)
+                else:
+                    hosted.append((f"tools[{i}].tools[{j}]", function.type))
+        else:
+            hosted.append((f"tools[{i}]", tool.type))
+    if hosted and not functions:
+        where, kind = hosted[0]
+        raise APIError(400, f"'{where}' is the hosted tool {kind!r}, which this server does not run (beside "
+                            "function tools, hosted tools are dropped)", param=where)
+    return functions
 
 
 def chat_body(req: ResponsesRequest) -> tuple[dict, PathMap]:
@@ -65,13 +121,14 @@ def chat_body(req: ResponsesRequest) -> tuple[dict, PathMap]:
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
         paths.add("max_completion_tokens", "max_output_tokens")
-    if req.tools is not None:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in req.tools]
-        for i in range(len(req.tools)):
-            paths.add(f"tools[{i}].function", f"tools[{i}]")
+    functions = _functions(req, paths)
+    if functions:
+        chat["tools"] = functions
     if req.tool_choice is not None:
         choice = req.tool_choice
+        if isinstance(choice, HostedToolChoice):
+            raise APIError(400, f"'tool_choice' forces the hosted tool {choice.type!r}, which this server does "
+                                "not run (hosted tools are dropped)", param="tool_choice")
         chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                       "function": {"name": choice.name}}
         paths.add("tool_choice.function", "tool_choice")
@@ -107,8 +164,8 @@ def _messages(req: ResponsesRequest, paths: PathMap) -> list[dict]:
         if isinstance(item, MessageItem):
             add({"role": item.role, "content": _text(item.content)}, where)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            name = item.name if item.namespace is None else flat_name(item.namespace, item.name)
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 add({"role": "assistant", "content": None, "tool_calls": []}, where)
@@ -129,8 +186,9 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRequest, dict]:
-    """(Worker thread.) The request as the engine runs it, and the request fields the answer repeats."""
+def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRequest, dict, dict]:
+    """(Worker thread.) The request as the engine runs it, the request fields the answer repeats
+    and its namespaces' functions by flat name (``namespaced``)."""
     chat, paths = chat_body(req)
     try:
         gen = protocol.chat(validated(ChatRequest, chat, protocol.limits))
@@ -145,17 +203,17 @@ def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRe
             "text": {"format": (req.text.format if req.text else None) or {"type": "text"}},
             "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
             "user": req.user, "store": False, "truncation": "disabled", "previous_response_id": None}
-    return gen, echo
+    return gen, echo, namespaced(req)
 
 
 async def create(server, request: web.Request) -> web.StreamResponse:
     """The route (``OpenAIServer.responses``)."""
-    gen, echo = await server.parse(request, ResponsesRequest, lambda req: parse(req, server.protocol))
+    gen, echo, functions = await server.parse(request, ResponsesRequest, lambda req: parse(req, server.protocol))
     generation = await server.generation(request, gen)
-    answer = Answer(server.protocol.model_name, echo)
+    answer = Answer(server.protocol.model_name, echo, functions)
     try:
         if gen.stream:
-            return await _stream(request, generation, answer)
+            return await _stream(request, generation, answer, server.keepalive_interval)
         out = (await generation.outputs())[0]
         blocks, finish_reason = whole_blocks(gen.parsing, out.text, out.final.finish_reason)
         return web.json_response(answer.response([answer.item(b) for b in blocks], finish_reason,
@@ -165,10 +223,12 @@ async def create(server, request: web.Request) -> web.StreamResponse:
 
 
 class Answer:
-    """The response object of one request: its id, and its items' ids as they are made."""
+    """The response object of one request: its id, its items' ids as they are made, and the
+    request's namespaced functions by flat name (their calls name the function and its namespace)."""
 
-    def __init__(self, model: str, echo: dict):
+    def __init__(self, model: str, echo: dict, namespaced: dict[str, tuple[str, str]]):
         self.id, self.created_at, self.model, self.echo = "resp_" + uuid.uuid4().hex, int(time.time()), model, echo
+        self.namespaced = namespaced
         self._ids: dict[int, str] = {}  # id() of a block -> its item id
 
     def response(self, output: list[dict], finish_reason: str | None, usage: dict | None) -> dict:
@@ -198,15 +258,25 @@ class Answer:
         if block.kind == "text":
             return {"type": "message", "id": item_id, "role": "assistant", "status": status,
                     "content": [_text_part(block.text)] if done else []}
-        return {"type": "function_call", "id": item_id, "call_id": block.call_id, "name": block.name,
+        return {"type": "function_call", "id": item_id, "call_id": block.call_id, **self.called(block),
                 "arguments": block.text, "status": status}
+
+    def called(self, block: Block) -> dict:
+        """The function a tool-call block calls: ``{"name"}``, with its ``namespace`` for a namespace's."""
+        if block.name not in self.namespaced:
+            return {"name": block.name}
+        namespace, name = self.namespaced[block.name]
+        return {"name": name, "namespace": namespace}
 
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-async def _stream(request: web.Request, generation: Generation, answer: Answer) -> web.StreamResponse:
+async def _stream(request: web.Request, generation: Generation, answer: Answer,
+                  keepalive: float) -> web.StreamResponse:
+    """The answer as the Responses API's events; ``response.in_progress`` again each ``keepalive``
+    seconds without a token."""
     response = await sse_response(request)
     number = iter(range(1 << 62))
 
@@ -233,7 +303,7 @@ async def _stream(request: web.Request, generation: Generation, answer: Answer) 
                     await send("response.reasoning_text.delta", **where, content_index=0, delta=event.text)
             else:
                 if block.kind == "tool_call":
-                    await send("response.function_call_arguments.done", **where, name=block.name,
+                    await send("response.function_call_arguments.done", **where, name=answer.called(block)["name"],
                                arguments=block.text)
                 else:
                     part = _text_part(block.text) if block.kind == "text" else {"type": "reasoning_text",
@@ -248,7 +318,11 @@ async def _stream(request: web.Request, generation: Generation, answer: Answer) 
     try:
         await send("response.created", response=answer.response([], None, None))
         await send("response.in_progress", response=answer.response([], None, None))
-        async for events, _, finish_reason, num_tokens in streamed_blocks(generation, blocks):
+        async for item in streamed_blocks(generation, blocks, keepalive):
+            if item is None:
+                await send("response.in_progress", response=answer.response([], None, None))
+                continue
+            events, _, finish_reason, num_tokens = item
             await send_events(events)
         final = answer.response([answer.item(b) for b in blocks.blocks], finish_reason, generation.usage(num_tokens))
         await send("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

@@ -1,9 +1,14 @@
-"""The Responses API's request body as a typed model (``ResponsesRequest``), as the openai SDK and
-the OpenAI Agents SDK send it; ``responses`` reads it as the chat request it amounts to.
+"""The Responses API's request body as a typed model (``ResponsesRequest``), as the openai SDK,
+the OpenAI Agents SDK and the Codex CLI send it; ``responses`` reads it as the chat request it
+amounts to.
 
 Input items are told apart by ``type`` (a message when absent); keys of an item other than those
 read (``id``, ``status`` ...) are ignored, as clients send back what they were given. Nothing is
-stored: ``store`` is ignored, and the fields that need stored state are refused.
+stored: ``store`` is ignored, and the fields that need stored state are refused. Tools are told
+apart by ``type`` too: ``function``; ``namespace`` (functions grouped under a name, as Codex
+sends its sub-agent tools); and the tools whose calls this server cannot make (``HOSTED_TOOLS``:
+run by OpenAI's servers, or built-in client tools whose calls are not function calls), which are
+accepted and dropped beside function tools (``responses``).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class FunctionCallItem(LenientModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a call of a namespace's function
 
 
 class FunctionCallOutputItem(LenientModel):
@@ -79,9 +85,52 @@ class FunctionTool(RequestModel):
     strict: bool | None = None
 
 
+# tools whose calls are not function calls: OpenAI's hosted tools and its built-in client tools
+HOSTED_TOOLS = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+                "file_search", "code_interpreter", "computer", "computer_use", "computer_use_preview",
+                "image_generation", "mcp", "tool_search", "programmatic_tool_calling", "local_shell", "shell",
+                "apply_patch", "custom")
+
+
+class HostedTool(LenientModel):
+    """A tool whose calls this server cannot make (its settings ignored): dropped."""
+
+    type: Literal[HOSTED_TOOLS]
+
+
+def _tool_kind(tool: Any) -> str | None:
+    """A tool's tag: as sent (a dict), or as typed (a model, as the answer's echo dumps it)."""
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "hosted" if kind in HOSTED_TOOLS else kind
+
+
+NamespaceMember = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[HostedTool, Tag("hosted")]],
+                            tagged_kind(_tool_kind, ("function", *HOSTED_TOOLS))]
+
+
+class NamespaceTool(RequestModel):
+    """Functions grouped under ``name``: offered as functions of their own (``responses``)."""
+
+    type: Literal["namespace"]
+    name: FunctionName
+    description: str = ""
+    tools: Annotated[list[NamespaceMember], capped("tools")]
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+                       Annotated[HostedTool, Tag("hosted")]],
+                 tagged_kind(_tool_kind, ("function", "namespace", *HOSTED_TOOLS))]
+
+
 class NamedFunction(RequestModel):
     type: Literal["function"]
     name: str
+
+
+class HostedToolChoice(LenientModel):
+    """A ``tool_choice`` forcing a hosted tool: refused (``responses``)."""
+
+    type: Literal[HOSTED_TOOLS]
 
 
 class TextConfig(LenientModel):
@@ -99,8 +148,8 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_SEED)] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: Annotated[list[FunctionTool], capped("tools")] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: Annotated[list[Tool], capped("tools")] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | HostedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -116,6 +165,7 @@ class ResponsesRequest(RequestModel):
     truncation: Ignored = None
     stream_options: Ignored = None
     max_tool_calls: Ignored = None
+    client_metadata: Ignored = None
     previous_response_id: refused(why=STATELESS) = None
     conversation: refused(why=STATELESS) = None
     prompt: refused(why=STATELESS) = None
