@@ -1,8 +1,10 @@
 """Train the default model that ships with agent-infer: a tiny Qwen3 trained on
-the CPython standard library's own .py sources.
+the CPython standard library's own .py sources, then fine-tuned to chat and call tools.
 
     python scripts/train_demo_model.py --out engine/default_model     # ~6 min on one H200
+    python scripts/train_demo_model.py --chat --out engine/default_model   # then: ~7 min on 2 CPU cores
     python scripts/train_demo_model.py --smoke --out /tmp/demo_smoke  # CPU, under 2 min
+    python scripts/train_demo_model.py --chat --smoke --out /tmp/demo_chat_smoke   # CPU, under a minute
 
 Corpus: every .py file under the running interpreter's stdlib that decodes as
 UTF-8 (site-packages and dist-packages left out), in sorted relative-path
@@ -25,6 +27,24 @@ greedy samples from the saved directory reloaded through transformers, and a
 last line of JSON.
 Output (`--out`): config.json, generation_config.json, model.safetensors (bf16),
 tokenizer.json, tokenizer_config.json, and nothing else.
+
+The chat stage (`--chat`) starts from `--init`'s weights and tokenizer (unchanged: 8192 ids, the
+chat markers are ordinary text) and fine-tunes on scripts/demo_chat.py's synthetic conversations
+(`--conversations` drawn from demo_chat.TRAIN_SEED + --seed; plain chat, system prompts,
+multi-turn, and tool use: tools in the system turn, a request, a hermes `<tool_call>`, the tool's
+result, a short answer; thinking on or off) beside stdlib code windows, so that it answers in
+demo_chat.CHAT_TEMPLATE's format, ends its turn with `<|endoftext|>` (the EOS) and stays a code
+model. Each assistant turn is one sequence: its prompt rendered by the template and tokenized as a
+prompt is, then the turn's text and EOS (a later turn whose prompt continues it exactly joins it);
+the sequences are packed into `--seq-len` + 1 rows. A step is `--batch` chat rows (loss on the
+assistant tokens only, logits computed there only) and `--code-batch` code windows, one forward,
+the loss the sum of the two means; bf16 autocast (on the CPU too); the schedule above over
+`--steps` (the step budget ends it: `--minutes` is only a cap, so the same seed gives the same
+weights on the same machine and thread count). Report: held-out code cross-entropy (the base
+stage's test windows) and held-out chat cross-entropy (assistant tokens of demo_chat's held-out
+split) before and after, the loss curves, greedy chat samples reloaded through transformers, a last
+line of JSON. The output directory is the base stage's, with `chat_template` in
+tokenizer_config.json. scripts/eval_demo_chat.py measures the result through the engine.
 """
 from __future__ import annotations
 
@@ -32,6 +52,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -41,6 +62,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM, set_seed
 from transformers.utils.logging import disable_progress_bar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # demo_chat, beside this script
 
 EOT = "<|endoftext|>"
 VOCAB = 8192
@@ -59,26 +82,48 @@ TOKENIZER_CONFIG = {
 }
 
 
-def parse_args() -> argparse.Namespace:
+BASE_DEFAULTS = {"minutes": 5.0, "steps": 20_000, "batch": 128, "seq_len": 512, "lr": 2e-3, "warmup": 200,
+                 "log_every": 100}
+# --chat: a step-bound run (the same weights from the same seed on the same CPU), about 7 minutes on 2 cores
+CHAT_DEFAULTS = {"minutes": 30.0, "steps": 600, "batch": 6, "seq_len": 512, "lr": 1e-3, "warmup": 20,
+                 "log_every": 10}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("engine/default_model"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--minutes", type=float, default=5.0, help="wall-clock training budget")
-    p.add_argument("--steps", type=int, default=20_000, help="step budget")
-    p.add_argument("--batch", type=int, default=128, help="windows per step")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=200, help="linear warmup steps")
+    p.add_argument("--minutes", type=float, help="wall-clock training budget (5; --chat: 30, a cap only)")
+    p.add_argument("--steps", type=int, help="step budget (20000; --chat: 600)")
+    p.add_argument("--batch", type=int, help="windows per step (128; --chat: 6 chat windows)")
+    p.add_argument("--seq-len", type=int, help="window length (512)")
+    p.add_argument("--lr", type=float, help="peak learning rate (2e-3; --chat: 1e-3)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps (200; --chat: 20)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--evals", type=int, default=20, help="validation passes over the budget")
-    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, help="steps between progress lines (100; --chat: 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     p.add_argument("--smoke", action="store_true",
                    help="150 train files, 30 steps of 4 windows: proves the pipeline on a CPU")
-    args = p.parse_args()
+    chat = p.add_argument_group("--chat: fine-tune a trained demo model to chat and call tools (scripts/demo_chat.py)")
+    chat.add_argument("--chat", action="store_true", help="the chat stage instead of training from scratch")
+    chat.add_argument("--init", type=Path, default=Path("engine/default_model"),
+                      help="the trained model (and tokenizer) to start from")
+    chat.add_argument("--conversations", type=int, default=6000,
+                      help="synthetic training conversations (drawn from demo_chat.TRAIN_SEED + --seed)")
+    chat.add_argument("--code-batch", type=int, default=2, help="stdlib code windows per step beside the chat ones")
+    chat.add_argument("--tool-share", type=float, default=0.5, help="the share of conversations that offer tools")
+    chat.add_argument("--direct-share", type=float, default=0.15,
+                      help="the share of those whose question no tool is for (answered directly)")
+    args = p.parse_args(argv)
+    for key, value in (CHAT_DEFAULTS if args.chat else BASE_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.smoke:
         args.steps, args.batch, args.warmup, args.evals, args.log_every = 30, 4, 5, 3, 5
+        if args.chat:
+            args.steps, args.batch, args.conversations = 6, 2, 60
     return args
 
 
@@ -173,8 +218,9 @@ def build_model(eot: int) -> Qwen3ForCausalLM:
     return model
 
 
-def autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def autocast(device: torch.device, cpu: bool = False):
+    """bf16 autocast on CUDA (and on the CPU when ``cpu``: the chat stage trains that way, twice as fast)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" or cpu)
 
 
 def lm_loss(model, windows: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -283,12 +329,12 @@ def bigram_loss(train_stream: torch.Tensor, windows: torch.Tensor) -> float:
     return -p.log().mean().item()
 
 
-def save(model, tok: Tokenizer, out: Path) -> int:
+def save(model, tok: Tokenizer, out: Path, tokenizer_config: dict = TOKENIZER_CONFIG) -> int:
     """Write the HF directory (bf16 weights); return model.safetensors' size in bytes."""
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     present = sorted(p.name for p in out.iterdir())
     if present != OUTPUT_FILES:
         raise RuntimeError(f"{out} holds {present}, expected exactly {OUTPUT_FILES}")
@@ -316,11 +362,253 @@ def greedy_samples(tok, model, device: torch.device) -> dict[str, str]:
     return samples
 
 
+# ---------------------------------------------------------------- the chat stage (--chat)
+
+def chat_sequences(render, encode, conv, merge: bool = True) -> list[list[tuple[str, bool]]]:
+    """``conv``'s training sequences, each a list of (text, is_target) pieces: an assistant turn's
+    prompt as the chat template renders it, then the text the model is to write (its EOS follows),
+    each piece tokenized on its own as a prompt and the tokens generated after it are. With
+    ``merge``, a later turn whose prompt continues the sequence so far exactly (the earlier turn
+    rendered in the history as the model wrote it, with the same tokens) joins it; any other starts
+    a sequence of its own."""
+    sequences, pieces, covered = [], [], ""
+    for index in sorted(conv.targets):
+        prompt, target = render(conv, index), conv.targets[index]
+        if merge and pieces and prompt.startswith(covered):
+            pieces.append((prompt[len(covered):], False))
+        else:
+            if pieces:
+                sequences.append(pieces)
+            pieces = [(prompt, False)]
+        pieces.append((target, True))
+        covered = prompt + target + EOT
+        if encode(prompt + target) != encode(prompt) + encode(target):  # a history would tokenize it otherwise
+            sequences.append(pieces)
+            pieces, covered = [], ""
+    if pieces:
+        sequences.append(pieces)
+    return sequences
+
+
+def encode_chats(tok: Tokenizer, render, convs: list, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Token ids and target mask (1: an assistant token or its EOS) of each training sequence of
+    ``convs`` that fits ``max_len`` tokens (a conversation whose merged turns do not fit is cut
+    into one sequence per turn)."""
+    eot = tok.token_to_id(EOT)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text).ids
+
+    def encoded(pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
+        for text, target in pieces:
+            piece = encode(text) + ([eot] if target else [])
+            ids += piece
+            mask += [int(target)] * len(piece)
+        return ids, mask
+
+    out = []
+    for conv in convs:
+        sequences = [encoded(p) for p in chat_sequences(render, encode, conv)]
+        if any(len(ids) > max_len for ids, _ in sequences):
+            sequences = [encoded(p) for p in chat_sequences(render, encode, conv, merge=False)]
+        out += [(ids, mask) for ids, mask in sequences if len(ids) <= max_len]
+    return out
+
+
+def pack(examples: list[tuple[list[int], list[int]]], width: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples packed in order into (N, width) rows, none split across rows; the rest of a
+    row is ``pad`` with mask 0."""
+    rows, row = [], ([], [])
+    for ids, mask in examples:
+        if len(row[0]) + len(ids) > width:
+            rows.append(row)
+            row = ([], [])
+        row[0].extend(ids)
+        row[1].extend(mask)
+    rows.append(row)
+    ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows], dtype=torch.long)
+    mask = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.bool)
+    return ids, mask
+
+
+def chat_batches(ids: torch.Tensor, mask: torch.Tensor, batch: int, seed: int):
+    """Endless (batch, width) rows of the packed chats and their masks, a fresh random order every epoch."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(ids), generator=gen)
+        for i in range(0, len(order) - batch + 1, batch):
+            yield ids[order[i:i + batch]], mask[order[i:i + batch]]
+
+
+def masked_loss(model, ids: torch.Tensor, mask: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy (nats, fp32) of ``model`` over the target tokens of (B, L + 1) rows;
+    the logits are computed at those positions only."""
+    hidden = model.model(input_ids=ids[:, :-1], use_cache=False).last_hidden_state
+    targets = mask[:, 1:]
+    return F.cross_entropy(model.lm_head(hidden[targets]).float(), ids[:, 1:][targets], reduction=reduction)
+
+
+@torch.no_grad()
+def chat_mean_loss(model, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, batch: int = 8) -> float:
+    """Mean cross-entropy (nats/token) over the assistant tokens of packed chats; keeps the model's mode."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for chunk, chunk_mask in zip(ids.split(batch), mask.split(batch)):
+        total += masked_loss(model, chunk.to(device), chunk_mask.to(device), reduction="sum")
+    model.train(was_training)
+    return total.item() / mask[:, 1:].sum().item()
+
+
+def train_chat(model, chats: tuple[torch.Tensor, torch.Tensor], code: torch.Tensor, args: argparse.Namespace,
+               device: torch.device) -> dict:
+    """Fine-tune in place: each step ``args.batch`` packed chat rows (loss on the assistant tokens)
+    and ``args.code_batch`` code windows (loss on every token), one forward, the loss the sum of
+    the two means; bf16 autocast, the schedule of ``train``. Ends with the last step's weights."""
+    opt = make_optimizer(model, args, device)
+    chat_iter = chat_batches(*chats, args.batch, args.seed)
+    code_iter = (train_batches(code.to(device), args.code_batch, args.seq_len, args.seed + 1)
+                 if args.code_batch else None)
+    losses, step, progress, logged_step = [], 0, 0.0, 0
+    start = last_log = time.perf_counter()
+    model.train()
+    while progress < 1.0:
+        lr = learning_rate(step, progress, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, mask = (t.to(device) for t in next(chat_iter))
+        with autocast(device, cpu=True):
+            if code_iter is None:
+                chat, code_loss = masked_loss(model, ids, mask), torch.zeros((), device=device)
+            else:
+                windows = next(code_iter)
+                x = torch.cat([ids, windows])
+                hidden = model.model(input_ids=x[:, :-1], use_cache=False).last_hidden_state
+                targets = mask[:, 1:]
+                chat = F.cross_entropy(model.lm_head(hidden[:len(ids)][targets]).float(), ids[:, 1:][targets])
+                code_loss = F.cross_entropy(model.lm_head(hidden[len(ids):].flatten(0, 1)).float(),
+                                            windows[:, 1:].flatten())
+        (chat + code_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(torch.stack([chat.detach(), code_loss.detach()]))
+        step += 1
+        progress = max(step / args.steps, (time.perf_counter() - start) / (60 * args.minutes))
+        if step % args.log_every == 0 or progress >= 1.0:
+            recent = torch.stack(losses[-args.log_every:]).mean(0).tolist()
+            now = time.perf_counter()
+            tokens = (step - logged_step) * (args.batch + args.code_batch) * args.seq_len
+            print(f"step {step:5d}  chat loss {recent[0]:.4f}  code loss {recent[1]:.4f}  lr {lr:.2e}  "
+                  f"tok/s {tokens / (now - last_log):,.0f}  elapsed {now - start:6.1f}s", flush=True)
+            last_log, logged_step = now, step
+    seconds = time.perf_counter() - start
+    curve = torch.stack(losses)
+    return {"chat_losses": curve[:, 0].tolist(), "code_losses": curve[:, 1].tolist(), "steps": step,
+            "seconds": seconds}
+
+
+def chat_render(hf_tok, template: str):
+    """render(conv, index): the prompt of ``conv``'s assistant message ``index`` through ``template``
+    (thinking as the conversation has it: on is the template's default, off passes enable_thinking=False)."""
+    def render(conv, index: int) -> str:
+        options = {} if conv.thinking else {"enable_thinking": False}
+        return hf_tok.apply_chat_template(conv.prompt_messages(index), tools=conv.tools, chat_template=template,
+                                          add_generation_prompt=True, tokenize=False, **options)
+    return render
+
+
+def chat_samples(tok, model, render, convs: list, device: torch.device) -> list[dict]:
+    """Greedy answers (at most 64 new tokens) to the last turn of each of ``convs``, through transformers."""
+    samples = []
+    for conv in convs:
+        index = max(conv.targets)
+        enc = tok(render(conv, index), return_tensors="pt", add_special_tokens=False).to(device)
+        ids = model.generate(**enc, max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id)[0]
+        new = ids[enc.input_ids.shape[1]:].tolist()
+        samples.append({"thinking": conv.thinking, "user": conv.messages[index - 1].get("content"),
+                        "answer": tok.decode(new, skip_special_tokens=True),
+                        "eos": tok.eos_token_id in new, "tokens": len(new)})
+    return samples
+
+
+def main_chat(args: argparse.Namespace, device: torch.device) -> None:
+    """The chat stage: --init's weights fine-tuned on demo_chat's conversations and stdlib code;
+    the directory written to --out with the chat template in tokenizer_config.json."""
+    import demo_chat
+
+    t0 = time.perf_counter()
+    tok = Tokenizer.from_file(str(args.init / "tokenizer.json"))
+    check_round_trip(lambda s: tok.encode(s).ids, tok.decode)
+    eot = tok.token_to_id(EOT)
+    render = chat_render(AutoTokenizer.from_pretrained(args.init), demo_chat.CHAT_TEMPLATE)
+    held_out = 20 if args.smoke else 200
+    convs = {"train": demo_chat.conversations(demo_chat.TRAIN_SEED + args.seed, args.conversations, "train",
+                                              tool_share=args.tool_share, direct_share=args.direct_share),
+             "test": demo_chat.conversations(demo_chat.EVAL_SEED, held_out, "test")}
+    chats = {}
+    for name, group in convs.items():
+        examples = encode_chats(tok, render, group, args.seq_len + 1)
+        chats[name] = pack(examples, args.seq_len + 1, eot)
+        n_tokens = sum(len(ids) for ids, _ in examples)
+        n_targets = sum(sum(mask) for _, mask in examples)
+        print(f"chat {name:5s}: {len(group):5d} conversations  {len(examples):5d} sequences  {n_tokens:9,d} tokens  "
+              f"{n_targets:8,d} assistant tokens  {len(chats[name][0]):5d} rows of {args.seq_len + 1}")
+    sources = stdlib_sources()
+    if args.smoke:
+        sources = {"train": sources["train"][:150], "test": sources["test"][:2]}
+    code_train = token_stream(tok, sources["train"])
+    code_test = eval_windows(token_stream(tok, sources["test"]), 512)  # the base stage's test windows
+    print(f"code: {len(code_train):,d} train tokens, {code_test[:, 1:].numel():,d} test tokens")
+    print(f"data ready in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def figures(model) -> dict:
+        return {"code_test_loss": round(mean_loss(model, code_test, device), 4),
+                "chat_test_loss": round(chat_mean_loss(model, *chats["test"], device), 4)}
+
+    model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(device)
+    before = figures(model)
+    print(f"before: code test loss {before['code_test_loss']:.4f}  chat test loss {before['chat_test_loss']:.4f}",
+          flush=True)
+    result = train_chat(model, chats["train"], code_train, args, device)
+    tokenizer_config = {**TOKENIZER_CONFIG, "chat_template": demo_chat.CHAT_TEMPLATE}
+    size = save(model, tok, args.out, tokenizer_config)
+    tok_hf, saved = reload(args.out, device)
+    after = figures(AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).to(device))
+    print(f"after:  code test loss {after['code_test_loss']:.4f}  chat test loss {after['chat_test_loss']:.4f}")
+    print("chat loss curve:", loss_curve(result["chat_losses"]))
+    print("code loss curve:", loss_curve(result["code_losses"]))
+    picks = [c for c in convs["test"] if c.kind == "chat"][:3] + [c for c in convs["test"] if c.kind == "tool"][:3]
+    samples = chat_samples(tok_hf, saved, chat_render(tok_hf, tok_hf.chat_template), picks, device)
+    for sample in samples:
+        print(f"--- {sample['user']!r} (thinking {'on' if sample['thinking'] else 'off'}; "
+              f"{sample['tokens']} tokens{', EOS' if sample['eos'] else ''})\n{sample['answer']}")
+    summary = {
+        "stage": "chat",
+        "code_test_loss_before": before["code_test_loss"], "code_test_loss": after["code_test_loss"],
+        "chat_test_loss_before": before["chat_test_loss"], "chat_test_loss": after["chat_test_loss"],
+        "samples_ending_with_eos": sum(s["eos"] for s in samples), "samples": len(samples),
+        "model_bytes": size,
+        "steps": result["steps"],
+        "chat_rows": len(chats["train"][0]),
+        "train_conversations": len(convs["train"]),
+        "tokens_seen": result["steps"] * (args.batch + args.code_batch) * args.seq_len,
+        "train_seconds": round(result["seconds"], 1),
+        "total_seconds": round(time.perf_counter() - t0, 1),
+        "seed": args.seed,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(summary))
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     disable_progress_bar()
     set_seed(args.seed)
+    if args.chat:
+        return main_chat(args, device)
     t0 = time.perf_counter()
 
     sources = stdlib_sources()

@@ -1,7 +1,12 @@
 """The shipped default model (engine/default_model, a tiny Qwen3 trained on the CPython standard
-library by scripts/train_demo_model.py): our engine follows transformers exactly on it. Trained
-weights make a sharper oracle than random ones: their logits are far from flat."""
+library by scripts/train_demo_model.py, then fine-tuned to chat by its --chat stage): our engine
+follows transformers exactly on it. Trained weights make a sharper oracle than random ones: their
+logits are far from flat. It has a chat template (Qwen3's shape, every turn ended by its EOS) and,
+greedy, ends a held-out chat turn with EOS and calls a tool with schema-valid arguments."""
 import importlib.util
+import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +22,19 @@ CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __ini
 REPO = Path(__file__).resolve().parents[2]
 
 
+def script(name: str):
+    """scripts/NAME.py as a module (registered in sys.modules, as its dataclasses need)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def held_out_text(max_chars: int = 6000) -> str:
     """Text the model never trained on: this interpreter's stdlib files in the script's test split."""
-    spec = importlib.util.spec_from_file_location("train_demo_model", REPO / "scripts" / "train_demo_model.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return "\n".join(script.stdlib_sources()["test"])[:max_chars]
+    return "\n".join(script("train_demo_model").stdlib_sources()["test"])[:max_chars]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +104,72 @@ def test_sampling_defaults_come_from_generation_config(engine, tmp_path):
     tiny = LLMEngine(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", seed=1), max_num_seqs=2, max_model_len=64)
     assert tiny.sampling_defaults == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                       "repetition_penalty": 1.0}
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_the_chat_template_renders_system_user_tools_and_thinking(engine):
+    """Qwen3's shape: the system prompt and the tools (one JSON object a line) in the first turn,
+    the user's turn, an assistant turn opened (an empty think block with enable_thinking=False);
+    in an agent's history the call is a hermes block and the result a <tool_response> in a user
+    turn. Every turn ends with <|endoftext|>, which is the EOS id itself, so a greedy answer stops."""
+    tok = engine.tokenizer
+    messages = [{"role": "system", "content": "You are Pico."}, {"role": "user", "content": "Weather in Oslo?"}]
+    on = tok.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert on.startswith("<|im_start|>system\nYou are Pico.\n\n# Tools\n")
+    assert "\n<tools>\n" + json.dumps(WEATHER) + "\n</tools>\n" in on
+    assert on.endswith("<|endoftext|>\n<|im_start|>user\nWeather in Oslo?<|endoftext|>\n<|im_start|>assistant\n")
+    off = tok.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False,
+                                  enable_thinking=False)
+    assert off == on + "<think>\n\n</think>\n\n"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 3}'}]
+    loop = tok.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert loop == on + ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call>'
+                         '<|endoftext|>\n<|im_start|>user\n<tool_response>\n{"temperature": 3}\n</tool_response>'
+                         '<|endoftext|>\n<|im_start|>assistant\n')
+    assert tok.encode("<|endoftext|>", add_special_tokens=False) == [tok.eos_token_id] == [0]
+
+
+def test_greedy_chat_ends_its_turn_and_calls_a_tool(engine):
+    """The shipped weights, greedy, on 10 held-out chat and 10 held-out tool prompts of
+    scripts/demo_chat.py (seeds EVAL_SEED and EVAL_SEED + 1, the conversations the fine-tune
+    skips; scripts/eval_demo_chat.py measures 50 of each, docs/agents.md): a chat answer ends with
+    EOS within 64 tokens (at least 9 of 10), and asked for what the one tool offered does, the
+    model ends its turn with one hermes block calling that tool, its arguments valid against the
+    tool's JSON schema (at least 8 of 10)."""
+    import jsonschema
+
+    chat = script("demo_chat")
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+
+    def prompt(conv, messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, tools=conv.tools, add_generation_prompt=True, tokenize=False,
+                                       enable_thinking=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    chats = chat.conversations(chat.EVAL_SEED, 10, "test", kinds=("chat",))
+    answers = engine.generate_tokens([prompt(c, c.messages[:max(c.targets)]) for c in chats], params)
+    ended = [a for a in answers if 1 < len(a) <= 64 and a[-1] == tok.eos_token_id and tok.eos_token_id not in a[:-1]]
+    assert len(ended) >= 9, [tok.decode(a) for a in answers]
+
+    asks = chat.conversations(chat.EVAL_SEED + 1, 10, "test", kinds=("tool",), n_tools=1, direct=False)
+    calls = engine.generate_tokens([prompt(c, c.messages[:max(c.targets) - 2]) for c in asks], params)
+    valid = 0
+    for conv, call in zip(asks, calls):
+        block = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", tok.decode(call[:-1]), re.DOTALL)
+        if call[-1] != tok.eos_token_id or not block:
+            continue
+        try:
+            written = json.loads(block.group(1))
+            jsonschema.validate(written["arguments"], conv.tools[0]["function"]["parameters"])
+        except (ValueError, KeyError, TypeError, jsonschema.ValidationError):
+            continue
+        valid += written["name"] == conv.tool == conv.tools[0]["function"]["name"]
+    assert valid >= 8, [tok.decode(c) for c in calls]
+    assert_no_block_leaks(engine)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 
 from engine.__main__ import main
+from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.entrypoints.bench import structured
 from engine.entrypoints.bench.serve import RequestResult
 
@@ -57,9 +59,14 @@ def test_structured_report_is_complete_and_every_answer_validates(capsys):
         assert w["mask_rows"] == 64 and w["mask_steps"] == 20
 
 
-def test_tools_are_skipped_without_a_chat_template(capsys):
-    """The demo tokenizer has no chat template: the tools workload says so and the bench ends well."""
-    tools = bench_structured(capsys, "--structured", "tools")["serve"]["structured"]["tools"]
+def test_tools_are_skipped_without_a_chat_template(capsys, tmp_path):
+    """The demo model with its chat template taken out of tokenizer_config.json: the tools workload
+    says so and the bench ends well."""
+    plain = Path(shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "no-template"))
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = bench_structured(capsys, "--model", str(plain), "--structured", "tools")["serve"]["structured"]["tools"]
     assert set(tools) == {"workload", "skipped"} and "no chat template" in tools["skipped"]
 
 
