@@ -10,9 +10,10 @@ npm and the registry.
     python scripts/agent_clis.py --env CLAUDE_CODE_MAX_OUTPUT_TOKENS=64 -- --max-num-batched-tokens 1024
 
 Without ``--model`` it serves a temporary copy of the shipped demo model whose config.json allows
-a 32,768-token context (``max_position_embeddings``: Claude Code's first prompt is ~25k tokens,
-Codex's ~12k). Everything after ``--`` goes to ``serve`` as it is (``--served-model-name`` and
-``--port`` are the script's). Exit code 0 when every CLI run completed.
+a 32,768-token context (``max_position_embeddings``, YaRN over the 1,024 positions it was trained
+on: Claude Code's first prompt is ~25k tokens, Codex's ~12k), with ``--reasoning-parser qwen3``
+unless the flags name one. Everything after ``--`` goes to ``serve`` as it is
+(``--served-model-name`` and ``--port`` are the script's). Exit code 0 when every CLI run completed.
 """
 from __future__ import annotations
 
@@ -45,11 +46,20 @@ def free_port() -> int:
 
 
 def demo_copy(into: Path) -> Path:
-    """A copy of the demo model whose config allows a ``CONTEXT``-token context."""
+    """A copy of the demo model whose config (and tokenizer) allow a ``CONTEXT``-token context,
+    extended by YaRN as Qwen3's own configs are: the model trained on 1,024 positions, and on the
+    CLIs' prompts (12k-25k tokens) without it, it writes until the context is full, where Codex
+    fails the turn ("Incomplete response"); with it, it answers and ends its turn."""
     model = into / "demo-model"
     shutil.copytree(DEMO_MODEL, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}, indent=2))
+    trained = config["max_position_embeddings"]
+    rope = {**config["rope_parameters"], "rope_type": "yarn", "factor": CONTEXT / trained,
+            "original_max_position_embeddings": trained}
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT,
+                                                   "rope_parameters": rope}, indent=2))
+    tokenizer = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tokenizer, "model_max_length": CONTEXT}, indent=2))
     return model
 
 
@@ -173,6 +183,8 @@ def main() -> int:
         versions = {"claude": args.claude_version, "codex": args.codex_version}
         executables = install(prefix, {cli: versions[cli] for cli in clis})
         model = args.model or demo_copy(work)
+        if args.model is None and "--reasoning-parser" not in flags:
+            flags = ["--reasoning-parser", "qwen3", *flags]  # the demo model thinks first (docs/agents.md)
         port, log = free_port(), work / "server.log"
         server = serve(model, args.name, port, flags, log)
         outcomes = {}
