@@ -153,8 +153,11 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every token is a decode token: each entry computes its last token and its drafts, all
-        sampled (what a CUDA-graph decode step can replay)."""
+        """Every entry computes exactly one token plus its drafts (``num_tokens[i] == 1 +
+        len(drafts[i])``), whether or not it samples: a one-token prefill chunk short of the
+        prompt's end counts too. The runner then runs the step as a decode step (what a CUDA-graph
+        decode can replay; its logits rows are computed and the samples mask picks what is kept);
+        its mixed path takes the entries of that shape as decodes, so the two must agree."""
         return all(n == 1 + len(d) for n, d in zip(self.num_tokens, self.drafts))
 
     @property
@@ -235,7 +238,12 @@ class Scheduler:
     ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
     list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
     ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
-    ``settings``'s limits (``SchedulerSettings``) are copied onto the scheduler's attributes.
+    ``settings``'s limits (``SchedulerSettings``) are copied onto the scheduler's attributes
+    (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_tokens_beside_decodes``,
+    ``max_model_len``, ``admission``), plain attributes read at every ``schedule()``: a caller may
+    change one between steps (the engine's tests hold admission with ``max_num_seqs = 0``).
+    ``settings``, ``watermark``, ``drafter`` and ``on_free`` are kept as given, and
+    ``eos_token_ids`` is the frozenset of the ids given (an int, an iterable, or None: none).
     """
 
     def __init__(self, settings: SchedulerSettings, block_manager: BlockManager,
@@ -557,6 +565,9 @@ class Scheduler:
         return self.block_manager.blocks_for(max_kv_tokens)
 
     def _reject_reason(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never run (None: it can), in these words, which the CLI and the server
+        print as they are: ``prompt has N tokens, more than max_model_len (M)``, or ``prompt +
+        max_tokens need N KV blocks, the cache has M`` (its worst case, ``_max_blocks``)."""
         n = seq.num_prompt_tokens
         if n > self.max_model_len:
             return f"prompt has {n} tokens, more than max_model_len ({self.max_model_len})"

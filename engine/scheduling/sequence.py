@@ -47,7 +47,8 @@ class SamplingParams:
     Penalties (vLLM's semantics, applied to the logits on the device before temperature):
     ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
     token in the prompt or the output so far; ``frequency_penalty`` subtracts the token's count in
-    the output, ``presence_penalty`` subtracts once for a token present in the output.
+    the output, ``presence_penalty`` subtracts once for a token present in the output
+    (bounds: ``repetition_penalty`` in (0, 10], the other two in [-2, 2]).
     ``logprobs``: return, for each output token, its log-probability under the model (the
     log-softmax of the logits before temperature and penalties) and the ``logprobs`` most
     likely tokens' (None: none returned); ``prompt_logprobs`` likewise for each prompt token after
@@ -55,12 +56,14 @@ class SamplingParams:
     Constraints on which token comes next, applied to the logits on the device before the
     penalties (so temperature, top-k/p/min-p, penalties and seeds act inside what they allow):
     ``logit_bias`` adds ``bias`` to token ``id`` for each ``(id, bias)`` pair (bias in [-100,
-    100]); ``allowed_token_ids`` (None: any) leaves only those tokens; ``bad_words_token_ids``
-    bans, for each token sequence, its last token wherever the output so far ends with the
-    others (a one-token bad word is always banned); ``structured`` (an
-    ``engine.scheduling.structured.StructuredSpec``) makes the output match a JSON schema, regex, choice or
-    grammar: the engine compiles it and masks each step's logits with the grammar's allowed
-    tokens, and the request finishes with "stop" when the grammar is complete.
+    100]; given as a dict ``{id: bias}`` or as pairs in any order, kept as a tuple of pairs sorted
+    by token id, so equal biases make equal params); ``allowed_token_ids`` (None: any) leaves
+    only those tokens; ``bad_words_token_ids`` bans, for each token sequence, its last token
+    wherever the output so far ends with the others (a one-token bad word is always banned);
+    ``structured`` (an ``engine.scheduling.structured.StructuredSpec``) makes the output match a
+    JSON schema, regex, choice or grammar: the engine compiles it and masks each step's logits
+    with the grammar's allowed tokens, and the request finishes with "stop" when the grammar is
+    complete.
     ``min_p`` (after temperature) drops the tokens whose probability is below ``min_p`` times
     the most likely token's (0: off).
     Output text: ``include_stop_str_in_output`` keeps a matched stop string at the end of the

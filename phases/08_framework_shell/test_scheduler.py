@@ -368,16 +368,17 @@ def test_status_transitions_and_finish_reasons():
 
 @pytest.mark.parametrize("admission", ["watermark", "reserve"])
 def test_impossible_prompts_are_rejected_while_others_proceed(admission):
-    """Longer than max_model_len, or a worst case over the whole pool: REJECTED. Longer than
-    max_num_batched_tokens is no reason (chunked prefill); a pool that holds the worst case is
-    enough, whatever the watermark."""
+    """Longer than max_model_len, or a worst case over the whole pool: REJECTED, with the reason
+    in the words Scheduler._reject_reason documents (the CLI and the server print it as it is).
+    Longer than max_num_batched_tokens is no reason (chunked prefill); a pool that holds the
+    worst case is enough, whatever the watermark."""
     sched, bm = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=4, max_model_len=14,
                                admission=admission)
     too_long = Sequence(list(range(1, 16)), request_id="too_long")           # > max_model_len
     too_big = Sequence([1] * 10, SamplingParams(max_tokens=8), request_id="too_big")  # 14 KV tokens > 3 blocks
     fine = Sequence([1] * 10, SamplingParams(max_tokens=3), request_id="fine")  # 12 KV tokens = 3 blocks
-    assert not sched.add(too_long) and "max_model_len" in too_long.reject_reason
-    assert not sched.add(too_big) and "blocks" in too_big.reject_reason
+    assert not sched.add(too_long) and too_long.reject_reason == "prompt has 15 tokens, more than max_model_len (14)"
+    assert not sched.add(too_big) and too_big.reject_reason == "prompt + max_tokens need 4 KV blocks, the cache has 3"
     assert all(s.status is S.REJECTED for s in (too_long, too_big))
     assert sched.add(fine)
     steps = run_to_completion(sched)
@@ -616,6 +617,46 @@ def test_chunked_prefill_covers_the_prompt_and_samples_only_at_its_end():
     assert steps == [[("long", 0, 4)], [("long", 4, 4)], [("long", 8, 2), ("short", 0, 2)],
                      [("long", 10, 1), ("short", 2, 1)]]
     assert short.output_token_ids == [5] and long.finish_reason == "length"
+
+
+def test_a_step_of_one_token_entries_is_a_decode_step_even_where_a_chunk_samples_nothing():
+    """ScheduledBatch.is_decode is the entries' shape, not their sampling: every entry computes one
+    token plus its drafts. A one-token prefill chunk short of its prompt's end, beside a decode,
+    makes a decode step (the runner's mixed path would find no prefill in it); a chunk of two
+    tokens, or an entry of a draft's length short, does not."""
+    sched, _ = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=2, max_num_batched_tokens=2)
+    first = Sequence([1, 2], SamplingParams(max_tokens=3), request_id="first")
+    sched.add(first)
+    sched.postprocess(sched.schedule(), [5])
+    sched.add(Sequence([7, 8, 9], SamplingParams(max_tokens=2), request_id="later"))
+    batch = sched.schedule()
+    assert entries(batch) == [("first", 2, 1), ("later", 0, 1)] and batch.samples == [True, False]
+    assert batch.is_decode
+    seqs = batch.seqs
+    assert ScheduledBatch(seqs, [2, 0], [1, 1], [True, False]).is_decode
+    assert not ScheduledBatch(seqs, [2, 0], [1, 2], [True, False]).is_decode
+    assert ScheduledBatch(seqs, [2, 0], [3, 1], [True, False], [[4, 4], []]).is_decode
+    assert not ScheduledBatch(seqs, [2, 0], [2, 1], [True, False], [[4, 4], []]).is_decode
+
+
+def test_the_scheduler_keeps_what_it_is_given_as_attributes_read_every_step():
+    """The attributes later phases read and set (Scheduler's docstring): settings, watermark,
+    drafter and on_free as given, eos_token_ids a frozenset, the limits plain attributes that the
+    next schedule() reads (max_num_seqs = 0 holds every request back; restored, they start)."""
+    bm = BlockManager(16, 4)
+    settings = SchedulerSettings(4, 64, 64)
+    drafter, freed = object(), Freed()
+    assert Scheduler(settings, bm, eos_token_id=EOS, drafter=drafter).drafter is drafter  # drafts are phase 13's
+    sched = Scheduler(settings, bm, eos_token_id=[EOS, 3], on_free=freed, watermark=0.25)
+    assert sched.settings is settings and sched.drafter is None and sched.on_free is freed
+    assert sched.watermark == 0.25 and sched.eos_token_ids == frozenset({EOS, 3})
+    assert Scheduler(settings, bm, eos_token_id=None).eos_token_ids == frozenset()
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len) == (4, 64, 64)
+    sched.add(Sequence([1, 2], SamplingParams(max_tokens=1), request_id="held"))
+    sched.max_num_seqs = 0
+    assert len(sched.schedule()) == 0 and sched.has_unfinished()
+    sched.max_num_seqs = 4
+    assert run_to_completion(sched) == [[("held", 2)]]
 
 
 def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_takes_the_budget():

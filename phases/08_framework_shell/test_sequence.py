@@ -15,6 +15,8 @@ from engine.scheduling.sequence import SamplingParams, Sequence, SequenceStatus
     ("stop_token_ids", list(range(65))), ("ignore_eos", 1), ("seed", -1), ("seed", 2**63), ("seed", 1.0),
     ("min_tokens", -1), ("min_tokens", 17), ("presence_penalty", 2.5), ("frequency_penalty", float("-inf")),
     ("repetition_penalty", 0.0), ("repetition_penalty", 11), ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0),
+    ("logit_bias", {3: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", [(3, 1.0), (3, 2.0)]),
+    ("logit_bias", {3: float("nan")}), ("logit_bias", {2.0: 1.0}),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     """Every field is bounded where the request enters: a value the step could not hold (an int
@@ -29,6 +31,16 @@ def test_good_sampling_params_are_kept():
                             presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, logprobs=20)
     assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
     assert params.penalized and not SamplingParams().penalized and SamplingParams(top_k=2**31 - 1).top_k
+
+
+def test_logit_bias_is_kept_as_pairs_sorted_by_token_id():
+    """logit_bias is given as a dict {token id: bias} (what the APIs send) or as (id, bias) pairs,
+    in any order, and kept as a tuple of pairs sorted by token id: equal biases make equal
+    params, and the server's and the step's readers see one order."""
+    as_dict = SamplingParams(logit_bias={17: -100, 5: 2.5, 9: 0})
+    as_pairs = SamplingParams(logit_bias=[(9, 0.0), (17, -100.0), (5, 2.5)])
+    assert as_dict.logit_bias == as_pairs.logit_bias == ((5, 2.5), (9, 0), (17, -100))
+    assert as_dict == as_pairs and SamplingParams().logit_bias == ()
 
 
 def test_sequence_bookkeeping():

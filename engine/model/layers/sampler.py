@@ -110,7 +110,9 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample(logits, temperatures, top_ks, top_ps, seeds, output_indices, min_ps, max_top_k=None,
                 use_top_k=True, use_top_p=True, use_min_p=True) -> torch.Tensor:
-        """Draw one token per row (every row treated as temperature > 0)."""
+        """Draw one token per row (every row treated as temperature > 0). ``forward`` calls it
+        with every argument positional, through ``self._sample`` (the TP test wraps it with a
+        ``lambda *a`` to count the ranks that draw)."""
         vocab_size = logits.shape[1]
         # below 1e-5 a temperature is a greedy pick anyway; clamping keeps logits / t finite
         scaled = logits / temperatures.clamp(min=1e-5)[:, None]
