@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.scheduling.block_manager import BlockManager, chain_hash
-from engine.scheduling.sequence import Sequence
+from engine.scheduling.sequence import SamplingParams, Sequence
 from shell_kv_oracle import KVOracle
 
 TOKENS = st.integers(0, 3)  # a tiny vocabulary makes equal blocks (and prefix hits) common
@@ -201,6 +201,22 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     bm.allocate(b)
     assert b.num_cached_tokens == 4
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+
+def test_a_sequence_asking_for_prompt_logprobs_takes_no_cached_block():
+    """Prompt logprobs need every prompt position's logits, so a sequence that asks for them
+    computes its whole prompt: no prefix hit, its own blocks (it still publishes them); the same
+    prompt without them hits."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(list(range(9)))
+    bm.allocate(a)
+    bm.publish(a, a.num_tokens)
+    wants = Sequence(list(range(9)), SamplingParams(prompt_logprobs=1))
+    bm.allocate(wants)
+    assert wants.num_cached_tokens == 0 and not set(a.block_table) & set(wants.block_table)
+    plain = Sequence(list(range(9)))
+    bm.allocate(plain)
+    assert plain.num_cached_tokens == 8 and plain.block_table[:2] == a.block_table[:2]
 
 
 def test_partial_last_block_is_never_shared():

@@ -30,6 +30,7 @@ def test_good_sampling_params_are_kept():
                             stop_token_ids=[2, 7], ignore_eos=True, seed=2**63 - 1, min_tokens=3,
                             presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, logprobs=20)
     assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
     assert params.penalized and not SamplingParams().penalized and SamplingParams(top_k=2**31 - 1).top_k
 
 
@@ -48,8 +49,10 @@ def test_sequence_bookkeeping():
     assert (seq.request_id, seq.arrival_time, seq.seed) == ("a", 1.5, 9)
     assert seq.status is SequenceStatus.WAITING and seq.finish_reason is None and seq.reject_reason is None
     assert seq.block_table == [] and seq.num_cached_tokens == 0
+    assert seq.last_token_id == 7 and seq.num_known_tokens == 3
     seq.output_token_ids += [8, 9]
     assert seq.token_ids == [5, 6, 7, 8, 9] and seq.prompt_token_ids == [5, 6, 7]
+    assert seq.last_token_id == 9 and seq.num_known_tokens == 5  # the runner feeds the newest known token
     assert (seq.num_tokens, seq.num_prompt_tokens, seq.num_output_tokens) == (5, 3, 2)
 
 
