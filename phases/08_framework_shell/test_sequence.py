@@ -31,6 +31,10 @@ def test_good_sampling_params_are_kept():
                             presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, logprobs=20)
     assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
     assert SamplingParams(seed=0).seed == 0 and SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    # any one penalty alone changes the logits (the runner penalizes exactly the rows whose params say so)
+    assert all(SamplingParams(**{name: value}).penalized for name, value in
+               [("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2)])
     assert params.penalized and not SamplingParams().penalized and SamplingParams(top_k=2**31 - 1).top_k
 
 
