@@ -1,14 +1,17 @@
 """``python -m gates audit``: prove what each gate catches by planting known faults.
 
-A mutation is a small named source patch (``gates/mutations/NN.yaml``) that
-reproduces a failure mode: exact ``find`` text replaced by ``replace`` in one or
-more files. The audit copies the tree to a temporary directory (never touching
-the working tree), applies one mutation, runs the owning phase's gate there
-(``--all-phases``: every phase, ``--keep-going``) and reads the gate report.
+A mutation is a small named change that reproduces a failure mode
+(``gates/mutations/NN.yaml``): in each patch, ``find`` replaced by ``replace`` in the
+canonical text of one symbol (``gates.anchor``: ``ast.unparse`` of a class or function,
+``python -m gates canonical SYMBOL`` prints it), so a formatter run, a module moved with its
+references or an edit elsewhere leaves it applicable. The audit copies the tree to a temporary
+directory (never touching the working tree), applies one mutation, runs the owning phase's gate
+there (``--all-phases``: every phase, ``--keep-going``) and reads the gate report.
 
 Verdicts: ``caught`` (the owning phase FAILs), ``caught-later`` (only a later
 phase FAILs: the owning phase misses it), ``escaped`` (no phase FAILs),
-``stale`` (the patch no longer applies: the catalogue needs updating) and
+``stale`` (the patch no longer applies: its symbol is gone or its text is not there once; the
+message names the symbol) and
 ``error`` (the gate run itself broke: bad tree, no report). ``hint ok`` says
 whether the failing phase's report named every failure mode the mutation
 lists. The exit code is 0 only when every mutation is caught by its owning
@@ -21,7 +24,7 @@ Catalogue entry::
       failure_modes: [FM-047]      # the report of that phase must name these
       description: rms_norm drops + eps
       patches:
-        - file: engine/model/kernels/reference.py
+        - symbol: engine/model/kernels/reference.py::rms_norm
           find: "keepdim=True) + eps)"
           replace: "keepdim=True))"
 """
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import yaml
 
+from gates import anchor
 from gates.flaky import default_load
 from gates.schema import GateError
 
@@ -52,9 +56,13 @@ MUTATION_ID = re.compile(r"^M\d\d-[\w-]+$")
 
 @dataclass(frozen=True)
 class Patch:
-    file: str
-    find: str
+    symbol: str      # path::Qualified.name, or a module's path for its own code
+    find: str        # in the symbol's canonical text (gates.anchor)
     replace: str
+
+    @property
+    def file(self) -> str:
+        return anchor.split_symbol(self.symbol)[0]
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,9 @@ def load_catalogue(directory: Path) -> list[Mutation]:
                 raise GateError(f"{where}: failure_modes must be a non-empty list of ids")
             patches = []
             for j, p in enumerate(e["patches"] or []):
-                if not isinstance(p, dict) or set(p) != {"file", "find", "replace"} or p["find"] == p["replace"]:
-                    raise GateError(f"{where}.patches[{j}]: needs file, find, replace (find != replace)")
-                patches.append(Patch(str(p["file"]), str(p["find"]), str(p["replace"])))
+                if not isinstance(p, dict) or set(p) != {"symbol", "find", "replace"} or p["find"] == p["replace"]:
+                    raise GateError(f"{where}.patches[{j}]: needs symbol, find, replace (find != replace)")
+                patches.append(Patch(str(p["symbol"]), str(p["find"]), str(p["replace"])))
             if not patches:
                 raise GateError(f"{where}: patches must not be empty")
             mutations[e["id"]] = Mutation(e["id"], e["phase"], tuple(e["failure_modes"]), str(e["description"]),
@@ -144,16 +152,15 @@ def select(mutations: list[Mutation], phases: set[str] | None, only: list[str] |
 
 
 def apply(tree: Path, mutation: Mutation) -> str:
-    """Patch the copy at ``tree``; returns a problem ('' when every patch applied once)."""
+    """Patch the copy at ``tree``; returns a problem naming the symbol ('' when every patch applied)."""
     for p in mutation.patches:
         path = tree / p.file
         if not path.is_file():
-            return f"{p.file}: no such file"
-        text = path.read_text()
-        n = text.count(p.find)
-        if n != 1:
-            return f"{p.file}: the text to replace occurs {n} times (expected once): {p.find!r}"
-        path.write_text(text.replace(p.find, p.replace))
+            return f"{p.symbol}: no such file {p.file} (moved? rewrite the symbol with its references)"
+        try:
+            path.write_text(anchor.replace_in(path.read_text(), p.symbol, p.find, p.replace))
+        except anchor.AnchorError as e:
+            return str(e)
     return ""
 
 

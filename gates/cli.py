@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from gates import audit, diff, flaky, next_step, report
+from gates import anchor, audit, contracts, diff, flaky, next_step, report
 from gates.execute import pytest_command
 from gates.exercise import exercise, select
 from gates.phases import defines_test, discover, has_tests, test_files, topological_order
@@ -79,6 +79,17 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--only", type=_phase_ids, help="these phases, e.g. 05 or 05,06")
     which.add_argument("--from", dest="start", type=_phase_id, help="this phase and every later one")
     ex.add_argument("--out", type=Path, required=True, help="the copy's directory (absent or empty)")
+    c = sub.add_parser("contracts", help="the cross-phase contract matrix: generated mutants of a phase's code run "
+                                         "against its tests and, where they survive, the later phases'; lists "
+                                         "what only a later phase catches (exit 1 when anything is)")
+    c.add_argument("--phase", type=audit.parse_phases, help="these phases: 08, 01,03 or 01..09 (default: every one)")
+    c.add_argument("--budget", type=_positive, default=40, help="mutants run per phase (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=0, help="the sample's seed (default: %(default)s)")
+    c.add_argument("--jobs", type=_positive, default=2, help="mutants run at once (default: %(default)s)")
+    c.add_argument("--report", type=Path, help="JSON report (default: ROOT/build/contracts-report.json)")
+    cn = sub.add_parser("canonical", help="the canonical text of a symbol (path::Qualified.name), which a "
+                                          "mutation's find and replace are written against")
+    cn.add_argument("symbol")
     a = sub.add_parser("audit", help="plant each catalogued fault (gates/mutations) in a copy of the tree and "
                                      "check that the owning phase catches it with the right failure-mode hint")
     a.add_argument("--phase", type=audit.parse_phases, help="mutations owned by these phases: 05, 01,03 or 01..08")
@@ -238,6 +249,30 @@ def cmd_audit(root: Path, args, argv: list[str]) -> int:
     return code
 
 
+def cmd_contracts(root: Path, args, argv: list[str]) -> int:
+    ids = contracts.phase_ids(root)
+    chosen = sorted(args.phase & set(ids)) if args.phase else ids
+    matrices = contracts.compute(root, chosen, args.budget, args.seed, args.jobs,
+                                 progress=lambda line: print(line, flush=True))
+    print("\n" + contracts.summary(matrices))
+    path = args.report or root / "build" / "contracts-report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(contracts.report(matrices, argv), indent=1) + "\n")
+    print(f"report: {path}")
+    return contracts.exit_code(matrices)
+
+
+def cmd_canonical(root: Path, symbol: str) -> int:
+    path, qualname = anchor.split_symbol(symbol)
+    if not (root / path).is_file():
+        raise GateError(f"{symbol}: no such file {path}")
+    try:
+        print(anchor.canonical((root / path).read_text(), qualname, symbol))
+    except anchor.AnchorError as e:
+        raise GateError(str(e)) from None
+    return 0
+
+
 def cmd_next(root: Path, args) -> int:
     """Exit code 0 when every phase of the tree passed or was skipped, else 1."""
     advice = next_step.advise(root, report.read_report(args.report or root / "gate-report.json"))
@@ -282,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_exercise(root, args)
         if args.command == "audit":
             return cmd_audit(root, args, argv)
+        if args.command == "contracts":
+            return cmd_contracts(root, args, argv)
+        if args.command == "canonical":
+            return cmd_canonical(root, args.symbol)
         if args.command == "diff":
             text, regressed = diff.diff(report.read_report(args.old), report.read_report(args.new),
                                         args.tolerance, args.slower)

@@ -58,6 +58,15 @@ class FailureMode:
 
 
 @dataclass(frozen=True)
+class LaterContract:
+    """A function of this phase whose contract a later phase's tests hold (``gates contracts``
+    counts a mutant of it that only ``phase`` catches as this exception, not as untested)."""
+    symbol: str      # path::QualifiedName, or a module's path for its own code
+    phase: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Gate:
     id: str
     title: str
@@ -68,6 +77,7 @@ class Gate:
     done_criteria: tuple[str, ...]
     failure_modes: tuple[FailureMode, ...]
     notes: tuple[str, ...] = ()
+    contracts_tested_later: tuple[LaterContract, ...] = ()
 
 
 def parse_unlock(text: str) -> tuple[str, str]:
@@ -76,7 +86,7 @@ def parse_unlock(text: str) -> tuple[str, str]:
     m = UNLOCK.match(text)
     if not m or ".." in m["path"].split("/"):
         raise ValueError(f"must be a path relative to the repository root or path::QualifiedName, like "
-                         f"engine/model/models/dense.py::GQAAttention (prose goes to notes:); got {text!r}")
+                         f"engine/model/models/dense.py::DenseDecoderLayer (prose goes to notes:); got {text!r}")
     return m["path"], m["qualname"] or ""
 
 
@@ -179,11 +189,24 @@ def _failure_mode(c: _Checker, value, field: str) -> FailureMode:
     )
 
 
+def _tested_later(c: _Checker, value, field: str, gate_id: str) -> LaterContract:
+    c.mapping(value, field, {"symbol", "phase", "why"})
+    symbol = c.string(value["symbol"], f"{field}.symbol")
+    try:
+        parse_unlock(symbol)
+    except ValueError as e:
+        c.fail(f"{field}.symbol", str(e))
+    phase = c.phase_id(value["phase"], f"{field}.phase")
+    if phase <= gate_id:
+        c.fail(f"{field}.phase", f"must be a later phase than {gate_id}, got {phase!r}")
+    return LaterContract(symbol, phase, c.string(value["why"], f"{field}.why"))
+
+
 def parse_gate(data, where: str, expected_id: str) -> Gate:
     """Validate the parsed YAML ``data`` of the gate for phase ``expected_id``."""
     c = _Checker(where)
     c.mapping(data, "", {"id", "title", "depends_on", "unlocks", "runs", "eager_gate",
-                         "done_criteria", "failure_modes"}, {"notes"})
+                         "done_criteria", "failure_modes"}, {"notes", "contracts_tested_later"})
     gate_id = c.phase_id(data["id"], "id")
     if gate_id != expected_id:
         c.fail("id", f"{gate_id!r} does not match the directory prefix {expected_id!r}")
@@ -210,6 +233,9 @@ def parse_gate(data, where: str, expected_id: str) -> Gate:
         failure_modes=tuple(_failure_mode(c, f, f"failure_modes[{i}]")
                             for i, f in enumerate(c.items(data["failure_modes"], "failure_modes"))),
         notes=c.strings(data.get("notes", []), "notes"),
+        contracts_tested_later=tuple(_tested_later(c, e, f"contracts_tested_later[{i}]", gate_id) for i, e in
+                                     enumerate(c.items(data.get("contracts_tested_later", []),
+                                                       "contracts_tested_later"))),
     )
 
 

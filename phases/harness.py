@@ -163,7 +163,7 @@ def engine_config(arch: str = "Qwen3ForCausalLM", **overrides) -> ModelConfig:
 def load_from_hf(ours: nn.Module, hf: nn.Module, packed_modules: dict) -> None:
     """Load an HF module's parameters into ``ours`` (same structure, merged
     projections named by ``packed_modules``) through the checkpoint loader."""
-    from engine.model.loader import load_weights
+    from engine.model.weight_loading import load_weights
 
     holder = nn.Module()
     holder.packed_modules = packed_modules
@@ -205,8 +205,8 @@ def random_qwen3_8b_pair(device="cuda", dtype=torch.bfloat16, seed: int = 0):
     growing with position) and make HF a wrong reference."""
     import transformers
 
-    from engine.model.loader import load_weights
     from engine.model.models.registry import build_model, creating_in
+    from engine.model.weight_loading import load_weights
 
     torch.manual_seed(seed)
     hf_cfg = transformers.Qwen3Config(**QWEN3_8B)

@@ -143,8 +143,8 @@ def bench_gemv(preset: dict, row_counts: list[int], sweep: bool) -> list[dict]:
 
 
 def build(preset: dict, quantization: str | None):
-    from engine.model.loader import load_weights
     from engine.model.models.registry import build_model
+    from engine.model.weight_loading import load_weights
 
     model = build_model(ModelConfig.from_dict(preset, quantization), "cuda", torch.bfloat16)
     load_weights(model, random_checkpoint(preset, 0, torch.device("cuda"), torch.bfloat16), progress=False)

@@ -16,11 +16,11 @@ TOY = "def add(a, b):\n    return a + b\n\n\ndef unused():\n    return 1\n"
 TEST_TOY = "from toy import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 CATALOGUE = [
     {"id": "M01-add-subtracts", "phase": "01", "failure_modes": ["FM-900"], "description": "add subtracts",
-     "patches": [{"file": "toy.py", "find": "return a + b", "replace": "return a - b"}]},
+     "patches": [{"symbol": "toy.py::add", "find": "return a + b", "replace": "return a - b"}]},
     {"id": "M01-untested", "phase": "01", "failure_modes": ["FM-901"], "description": "nothing tests unused()",
-     "patches": [{"file": "toy.py", "find": "return 1", "replace": "return 2"}]},
+     "patches": [{"symbol": "toy.py::unused", "find": "return 1", "replace": "return 2"}]},
     {"id": "M01-stale", "phase": "01", "failure_modes": ["FM-900"], "description": "the code moved on",
-     "patches": [{"file": "toy.py", "find": "return a * b", "replace": "return a / b"}]},
+     "patches": [{"symbol": "toy.py::add", "find": "return a * b", "replace": "return a / b"}]},
 ]
 
 

@@ -4,7 +4,6 @@ The first test holds the repository to it; its message is the list of what to ch
 others check the rules on toy trees, one problem at a time."""
 from __future__ import annotations
 
-import ast
 import textwrap
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from gate_trees import gate, write_phase
 from gates import ownership
-from gates.exercise import contract_title, exercise
+from gates.exercise import contract_title
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,39 +177,38 @@ def test_a_transitive_dependency_is_enough(tmp_path):
 
 
 def misplaced_faults(root: Path) -> list[str]:
-    """A mutation of the audit catalogue patches code owned by the phase that must catch it, or by
-    one it depends on (a phase cannot catch a fault in code its tests never reach). A patch whose
-    text this tree does not hold (a phase rebuilt from its contract, ``gates exercise``) is not
-    located: ``gates audit`` reports it stale there, and on this repository's own code
-    ``test_the_repository_catalogue_loads_and_every_patch_applies_once`` holds every patch to its text."""
+    """A mutation of the audit catalogue plants its fault in code its own phase owns: a fault in an
+    earlier phase's code that only a later phase catches is a contract its owner does not test.
+    The one way past it is the owner's gate naming the symbol under ``contracts_tested_later:``
+    with the mutation's phase and why (the contract belongs to the later phase's use of it)."""
     from gates import audit
-    from gates.skeleton import function_nodes
 
     gates = ownership.all_gates(root)
-    own, closure = ownership.load(root, gates), ownership.dependency_closure(gates)
+    own = ownership.load(root, gates)
+    later = {(e.symbol, e.phase) for g in gates.values() for e in g.contracts_tested_later}
     wrong = []
     for m in audit.load_catalogue(root / "gates" / "mutations"):
         for patch in m.patches:
-            source = (root / patch.file).read_text()
-            if patch.find not in source:
-                continue
-            line = source[:source.index(patch.find)].count("\n") + 1
-            around = [q for q, n in function_nodes(ast.parse(source)).items() if n.lineno <= line <= n.end_lineno]
-            symbol = max(around, key=len, default="")
-            owner = own.owner_of(patch.file, symbol)
-            if owner != m.phase and owner not in closure[m.phase]:
-                wrong.append(f"{m.id} (phase {m.phase}) patches {patch.file}::{symbol}, owned by phase {owner}")
+            path, qualname = patch.symbol.partition("::")[::2]
+            owner = own.owner_of(path, qualname)
+            if owner != m.phase and (patch.symbol, m.phase) not in later:
+                wrong.append(f"{m.id} (phase {m.phase}) patches {patch.symbol}, owned by phase {owner}: test the "
+                             f"contract in {owner} and move the mutation there, or name it under "
+                             f"contracts_tested_later: in {owner}'s gate")
     return wrong
 
 
-def test_every_planted_fault_lies_in_code_its_phase_stands_on():
+def test_every_contract_tested_later_names_a_symbol_its_phase_owns():
+    gates = ownership.all_gates(ROOT)
+    own = ownership.load(ROOT, gates)
+    wrong = [f"{g.id}: {e.symbol} (owned by {own.owner_of(*e.symbol.partition('::')[::2])})"
+             for g in gates.values() for e in g.contracts_tested_later
+             if own.owner_of(*e.symbol.partition("::")[::2]) != g.id]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_planted_fault_lies_in_code_its_phase_owns():
     wrong = misplaced_faults(ROOT)
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_planted_faults_check_holds_on_a_tree_with_a_phase_handed_out(tmp_path):
-    """On a tree where phase 05 is handed out (its functions stubbed, as a newcomer gets it and before
-    they rebuild it), the patches into 05's code no longer find their text: the check passes on the
-    rest instead of failing on the missing text."""
-    exercise(ROOT, tmp_path / "tree", {"05"})
-    assert misplaced_faults(tmp_path / "tree") == []

@@ -21,8 +21,9 @@ Outputs are pushed: ``take_outputs`` returns, once, what each request's output g
 last call (its new tokens, text and logprobs, and its finish), one ``RequestOutput`` delta per
 request that gained anything; ``LLMEngine.step`` returns them. ``output(request_id)`` is a
 request's whole output. While a request runs its text stops short of the characters that could
-still become the start of a stop string (the hold-back), so text once pushed is never taken
-back. Requests created without text (``generate_tokens``, or another TP rank's copy of a request
+still become the start of a stop string (the hold-back: len(longest stop string) - 1 characters,
+none without stop strings), so text once pushed is never taken back; at its finish the whole
+text is pushed. Requests created without text (``generate_tokens``, or another TP rank's copy of a request
 without stop strings: only rank 0's text is read) cost nothing here.
 
 The scheduler owns each ``Sequence``; this class only reads it.

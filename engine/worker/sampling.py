@@ -62,7 +62,9 @@ class BatchSampler:
     """Samples the steps of an engine over the rows of ``rows`` (its ``InputBatch``): a step
     samples at most ``max_batch`` logits rows. ``plan(batch, output_indices)`` on the host;
     ``sample(logits, step)`` on the device. EOS ids (``eos_token_ids``) count as stop ids for
-    min_tokens.
+    min_tokens. Every constraint acts on the logits before the draw: ``logit_bias`` is added to
+    them (float32), banned tokens (bad words, stop ids before min_tokens, ids outside
+    ``allowed_token_ids``, a grammar's refusals) become -inf; logprobs are read before any of it.
 
     ``grammar`` (None: no request has a grammar; set by the engine where sampling happens, rank 0
     under TP) is the grammar state of the requests with ``structured`` params: ``fill(rows)``

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TPGroup
-from engine.model.models.dense import GQAAttention
+from engine.model.layers.gqa_attention import GQAAttention
 from engine.worker.kv_cache import (
     attention_layers,
     bind_kv_cache,

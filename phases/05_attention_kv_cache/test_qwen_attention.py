@@ -7,7 +7,8 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from engine.distributed import TPGroup
-from engine.model.models.dense import DenseForCausalLM, GQAAttention
+from engine.model.layers.gqa_attention import GQAAttention
+from engine.model.models.dense import DenseForCausalLM
 from engine.worker.kv_cache import bind_kv_cache
 from phases.assertions import assert_close, assert_steps_close
 from phases.checkpoints import randomize_weights
@@ -16,8 +17,8 @@ from phases.harness import causal_mask, engine_config, hf_config, load_from_hf, 
 HF = {"Qwen3ForCausalLM": modeling_qwen3, "Qwen2ForCausalLM": modeling_qwen2}
 
 
-def hf_attention(arch, seed):
-    cfg = hf_config(arch)
+def hf_attention(arch, seed, **overrides):
+    cfg = hf_config(arch, **overrides)
     mod = HF[arch]
     attn = getattr(mod, arch.replace("ForCausalLM", "Attention"))(cfg, layer_idx=0).eval()
     randomize_weights(attn, seed)
@@ -32,8 +33,8 @@ def hf_attention_reference(attn, rotary, x):
     return attn(x[None], cos_sin, causal_mask(len(x)))[0][0]
 
 
-def make_engine_attention(arch, cfg, hf_attn, block_size, lengths):
-    ours = GQAAttention(engine_config(arch), TPGroup())
+def make_engine_attention(arch, cfg, hf_attn, block_size, lengths, **overrides):
+    ours = GQAAttention(engine_config(arch, **overrides), TPGroup())
     load_from_hf(ours, hf_attn, DenseForCausalLM.packed_modules)
     bind_kv_cache(ours, num_blocks_for(lengths, block_size), block_size, torch.float32, "cpu")
     return ours
@@ -53,6 +54,34 @@ def test_prefill_then_decode_matches_hf(arch, block_size):
         want = [hf_attention_reference(hf_attn, rotary, x) for x in inputs]
     for i, (g, w, n) in enumerate(zip(got, want, prompt_lens)):
         assert_steps_close(g, w, n, 1e-4, "attention output", f"sequence {i} of {arch}, block size {block_size}")
+
+
+def test_the_q_k_norms_take_the_configs_eps():
+    """Qwen3's per-head q/k norms use config.json's rms_norm_eps (0.25 here, where the default
+    1e-6 gives other outputs), as transformers' do."""
+    torch.manual_seed(0)
+    cfg, hf_attn, rotary = hf_attention("Qwen3ForCausalLM", seed=2, rms_norm_eps=0.25)
+    inputs = [0.1 * torch.randn(n, cfg.hidden_size) for n in (7, 3)]
+    ours = make_engine_attention("Qwen3ForCausalLM", cfg, hf_attn, 16, [7, 3], rms_norm_eps=0.25)
+    with torch.no_grad():
+        got = run_paged(lambda x, pos: ours(pos, x), inputs, [7, 3], 16)
+        want = [hf_attention_reference(hf_attn, rotary, x) for x in inputs]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_steps_close(g, w, len(g), 1e-4, "attention output", f"sequence {i}, rms_norm_eps 0.25")
+
+
+@pytest.mark.parametrize("window,refused", [(64, True), (None, False)])
+def test_a_sliding_window_that_can_bind_is_refused_by_the_attention(window, refused):
+    """A window below max_position_embeddings would bind (attention here is full causal): the
+    layer refuses it with a ValueError naming sliding_window; none builds."""
+    from dataclasses import replace
+
+    cfg = replace(engine_config("Qwen3ForCausalLM"), sliding_window=window)
+    if refused:
+        with pytest.raises(ValueError, match="sliding_window = 64"):
+            GQAAttention(cfg, TPGroup())
+    else:
+        GQAAttention(cfg, TPGroup())
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -166,7 +195,7 @@ def test_load_weights_uses_every_tensor_and_fills_every_parameter(edit, message)
     parameter, or a wrong shape is a ValueError naming the key."""
     from torch import nn
 
-    from engine.model.loader import load_weights
+    from engine.model.weight_loading import load_weights
 
     _, hf_attn, _ = hf_attention("Qwen3ForCausalLM", seed=3)
     tensors = {"m." + n: p.detach() for n, p in hf_attn.named_parameters()}

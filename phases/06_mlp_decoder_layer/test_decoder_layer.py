@@ -1,4 +1,4 @@
-"""MLP, RMSNorm and the decoder layer against HF transformers with the same
+"""MLP and the decoder layer against HF transformers with the same
 random weights; the fused residual chain uses each layer's own norm weights."""
 import pytest
 import torch
@@ -9,7 +9,6 @@ from transformers.models.qwen3 import modeling_qwen3
 from engine.distributed import TPGroup
 from engine.model import kernels
 from engine.model.layers.mlp import SwiGLUMLP
-from engine.model.layers.norm import RMSNorm
 from engine.model.models.dense import DenseDecoderLayer, DenseForCausalLM
 from engine.worker.kv_cache import bind_kv_cache
 from phases.assertions import assert_close, assert_steps_close
@@ -27,11 +26,6 @@ def hf_module(arch, kind, seed, **kwargs):
     return module
 
 
-def rms_norm_f64(x, weight, eps):
-    x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
-
-
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
 def test_mlp_matches_hf(arch):
     torch.manual_seed(0)
@@ -42,23 +36,6 @@ def test_mlp_matches_hf(arch):
     x = torch.randn(37, hf_config(arch).hidden_size)
     with torch.no_grad():
         assert_close(ours(x), hf(x), 1e-5, "MLP output", arch)
-
-
-def test_rmsnorm_returns_a_pair_in_both_branches():
-    torch.manual_seed(0)
-    norm = RMSNorm(64, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(64))
-    x, res = torch.randn(5, 64), torch.randn(5, 64)
-    out, residual = norm(x.clone())
-    assert residual is not None and torch.equal(residual, x)
-    assert_close(out, rms_norm_f64(x, norm.weight, 1e-6), 1e-6, "RMSNorm output", "no residual")
-    x2, res2 = x.clone(), res.clone()
-    out, residual = norm(x2, res2)
-    assert out is x2 and residual is res2  # in place
-    assert_close(residual, x.double() + res.double(), 1e-6, "RMSNorm residual", "with a residual")
-    assert_close(out, rms_norm_f64(x.double() + res.double(), norm.weight, 1e-6), 1e-6, "RMSNorm output",
-                 "with a residual")
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
@@ -134,6 +111,27 @@ def test_every_norm_uses_its_own_layers_weight(monkeypatch):
     assert seen == expected
 
 
+def test_keep_rows_selects_hidden_and_residual_alike_after_attention():
+    """keep_rows (a reversed subset) gives exactly the full layer's rows in that order, for both
+    outputs: hidden and residual are selected by the same indices, after attention saw every row."""
+    from engine.model.attention_context import forward_context
+    from phases.harness import prefill_context
+
+    layer = DenseDecoderLayer(engine_config("Qwen3ForCausalLM"), TPGroup())
+    randomize_weights(layer, seed=8)
+    bind_kv_cache(layer, 2, 16, torch.float32, "cpu")
+    width = layer.input_layernorm.weight.shape[0]
+    gen = torch.Generator().manual_seed(8)
+    hidden, residual = torch.randn(12, width, generator=gen), torch.randn(12, width, generator=gen)
+    keep = torch.tensor([11, 7, 3, 0])
+    positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
+    with forward_context(ctx), torch.no_grad():
+        full = layer(positions, hidden.clone(), residual.clone())
+        kept = layer(positions, hidden.clone(), residual.clone(), keep)
+    for name, f, k in zip(("hidden", "residual"), full, kept):
+        assert_close(k, f[keep], 1e-5, f"decoder layer {name} at the kept rows", "rows 11, 7, 3, 0")
+
+
 def test_decode_step_of_a_decoder_layer_has_no_clone_and_no_host_sync(monkeypatch):
     from engine.model.attention_context import forward_context
     from phases.harness import assert_no_host_sync_and_no_copies, count_step, decode_context, prefill_context
@@ -149,3 +147,18 @@ def test_decode_step_of_a_decoder_layer_has_no_clone_and_no_host_sync(monkeypatc
     positions, ctx = decode_context([9, 5], [[0], [1]], 16, "cpu")
     with forward_context(ctx):
         assert_no_host_sync_and_no_copies(count_step(lambda: layer(positions, hidden, residual), monkeypatch))
+
+
+def test_mlp_decode_gemv_path_equals_the_unfused_mlp():
+    """With the decode GEMV on (down_proj.decode_gemv_rows, set by the kernel switches), a decode
+    step's rows take down_proj through kernels.decode_gemv with silu(gate) * up in its prologue:
+    the same output as the unfused MLP; more rows than the GEMV takes go the unfused way."""
+    config = engine_config("Qwen3ForCausalLM")
+    mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, TPGroup())
+    randomize_weights(mlp, seed=9)
+    x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        unfused = mlp(x)
+        mlp.down_proj.decode_gemv_rows = 4
+        assert_close(mlp(x[:3]), unfused[:3], 1e-5, "MLP output", "decode GEMV path, 3 rows")
+        assert_close(mlp(x), unfused, 1e-5, "MLP output", "6 rows, past the GEMV's 4")

@@ -16,8 +16,8 @@ from engine.distributed import TPGroup
 from engine.model.config import DeepseekConfig, QwenMoeConfig
 from engine.model.layers import moe as moe_module
 from engine.model.layers.moe import EXPERT_PARAMS, GatedSharedExpertMoE, MoE
-from engine.model.loader import load_weights
 from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.model.weight_loading import load_weights
 from phases.checkpoints import V2_LITE, randomize_weights
 from phases.harness import engine_config, hf_config, rel_err
 

@@ -18,9 +18,9 @@ from engine.distributed import TPGroup
 from engine.model import kernels
 from engine.model.config import DeepseekConfig, ModelConfig
 from engine.model.layers.mla import MultiHeadLatentAttention
-from engine.model.loader import load_weights
 from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.model.models.registry import creating_in
+from engine.model.weight_loading import load_weights
 from engine.worker.kv_cache import bind_kv_cache
 from phases.harness import all_logits_step, causal_mask, num_blocks_for, rel_err, run_paged
 

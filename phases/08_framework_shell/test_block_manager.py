@@ -142,7 +142,11 @@ test_block_manager_state_machine = BlockManagerMachine.TestCase
 
 
 def test_prefix_hit_after_free_reuses_the_same_blocks():
+    """A freed sequence's published blocks are the next one's prefix hit; num_prefix_queries /
+    num_prefix_hits (the server's prefix-cache metrics) count the prompt tokens looked up and
+    found, from 0."""
     bm = BlockManager(num_blocks=8, block_size=4)
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (0, 0)
     first = Sequence(list(range(10)))
     bm.allocate(first)
     bm.publish(first, first.num_tokens)
@@ -154,6 +158,7 @@ def test_prefix_hit_after_free_reuses_the_same_blocks():
     assert second.block_table[:2] == first_table[:2]
     assert second.num_cached_tokens == 8
     assert bm.num_free_blocks == 5
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (10 + 11, 8)
 
 
 def test_live_prefix_is_shared_by_reference():

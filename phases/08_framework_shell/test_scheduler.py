@@ -355,6 +355,7 @@ def test_status_transitions_and_finish_reasons():
     assert all(s.num_pending_tokens == 1 for s in seqs)
     result = sched.postprocess(batch, [3, EOS, 3, 3])
     assert result.finished == [] and result.appended == seqs and all(s.num_pending_tokens == 0 for s in seqs)
+    assert result.num_new == [1, 1, 1, 1] and [out.new_token_ids for out in result.outputs] == [[3], [EOS], [3], [3]]
     batch = sched.schedule()
     assert batch.seqs == seqs and batch.is_decode
     finished = sched.postprocess(batch, [EOS, 3, 7, 3]).finished
@@ -815,3 +816,16 @@ def test_bad_arguments_raise():
         sched.add(seq)
     with pytest.raises(ValueError, match="token ids"):
         sched.postprocess(batch, [])
+
+
+def test_accepted_length_counts_the_drafts_the_sampled_tokens_confirm():
+    """sampled[j] is what the target model drew after draft[:j] (one row more than the drafts):
+    the drafts accepted are the longest prefix with draft[j] == sampled[j]."""
+    from engine.scheduling.scheduler import accepted_length
+
+    assert accepted_length([], [5]) == 0
+    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_length([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted_length([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert accepted_length([5, 5], [5, 5, 9]) == 2
+    assert accepted_length([6, 7], [5, 6, 7]) == 0

@@ -32,6 +32,9 @@ def test_good_sampling_params_are_kept():
     assert params.stop == ("end",) and params.stop_token_ids == (2, 7) and params.seed == 2**63 - 1
     assert SamplingParams(seed=0).seed == 0 and SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
     assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(logit_bias={0: 1.0}).logit_bias == ((0, 1.0),)  # token id 0 is a token
+    assert SamplingParams(allowed_token_ids=[0]).allowed_token_ids == (0,)
+    assert SamplingParams(bad_words_token_ids=[[0]]).bad_words_token_ids == ((0,),)
     # any one penalty alone changes the logits (the runner penalizes exactly the rows whose params say so)
     assert all(SamplingParams(**{name: value}).penalized for name, value in
                [("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2)])
@@ -52,7 +55,9 @@ def test_sequence_bookkeeping():
     seq = Sequence([5, 6, 7], SamplingParams(seed=9), request_id="a", arrival_time=1.5)
     assert (seq.request_id, seq.arrival_time, seq.seed) == ("a", 1.5, 9)
     assert seq.status is SequenceStatus.WAITING and seq.finish_reason is None and seq.reject_reason is None
-    assert seq.block_table == [] and seq.num_cached_tokens == 0
+    assert seq.block_table == [] and seq.num_cached_tokens == 0 and seq.num_cached_prompt_tokens is None
+    assert (seq.num_computed_tokens, seq.num_in_flight, seq.num_pending_tokens) == (0, 0, 0)
+    assert (seq.num_draft_tokens, seq.num_accepted_tokens) == (0, 0)  # phase 13's counters start empty
     assert seq.last_token_id == 7 and seq.num_known_tokens == 3
     seq.output_token_ids += [8, 9]
     assert seq.token_ids == [5, 6, 7, 8, 9] and seq.prompt_token_ids == [5, 6, 7]

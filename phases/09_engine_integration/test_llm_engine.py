@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.model.models.dense import DenseForCausalLM
 from engine.scheduling.sequence import SamplingParams
@@ -425,3 +426,14 @@ def test_the_kernel_switches_are_read_once_into_the_config_and_set_by_the_engine
         monkeypatch.setenv("AGENT_INFER_KERNELS", "cudnn")  # read by nothing from here on
         LLMEngine(config)
         assert kernels.current() == config.kernels
+
+
+def test_prefill_graph_tokens_needs_cuda_graphs(tmp_path):
+    """EngineConfig's prefill_graph_tokens (phase 11's piecewise graphs read it) is 0 by default
+    without CUDA graphs (here: the CPU); asking for piecewise graphs there, or for a negative
+    size, is a ValueError naming it."""
+    model_dir = make_tiny_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM", seed=0)
+    assert EngineArgs(model=str(model_dir), device="cpu").create_engine_config().parallel.prefill_graph_tokens == 0
+    for bad, message in ((64, "prefill_graph_tokens=64 needs CUDA graphs"), (-1, "prefill_graph_tokens must be")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=str(model_dir), device="cpu", prefill_graph_tokens=bad).create_engine_config()

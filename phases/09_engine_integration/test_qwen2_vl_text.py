@@ -39,7 +39,7 @@ def vl_checkpoint(tmp_path_factory):
 def test_qwen2_vl_text_only_greedy_matches_hf(vl_checkpoint, tmp_path, caplog):
     path, hf = vl_checkpoint
     assert any(k.startswith("visual.") for k in load_file(str(path / "model.safetensors")))
-    with caplog.at_level(logging.INFO, logger="engine.model.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.model.weight_loading"):
         engine = LLMEngine(path, block_size=4, max_num_seqs=3, max_model_len=128)
     assert isinstance(engine.runner.model, QwenVLTextForCausalLM)
     assert any("visual." in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)

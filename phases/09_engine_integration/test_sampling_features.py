@@ -116,3 +116,54 @@ def test_logprobs_are_the_models_log_softmax(checkpoint, hf):
             assert [t for t, _ in top] == best.tolist()
             assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
     assert_no_block_leaks(engine)
+
+
+def constrained_greedy(hf, prompt: list[int], steps: int, bias: dict[int, float], banned_after: dict[tuple, int],
+                       allowed: list[int] | None) -> list[int]:
+    """Greedy decoding by the definitions, float64: logit_bias added to the logits, the last token
+    of a bad word banned where its other tokens end the text so far, only the allowed ids kept."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = next_logits(hf, prompt + out)
+        for token, b in bias.items():
+            logits[token] += b
+        for prefix, last in banned_after.items():
+            if tuple(out[len(out) - len(prefix):]) == prefix or not prefix:
+                logits[last] = float("-inf")
+        if allowed is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = logits[allowed]
+            logits = keep
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_logit_bias_bad_words_and_allowed_ids_steer_greedy_tokens(checkpoint, hf):
+    """logit_bias is added to the logits (a +10 bias makes its token the greedy pick, a -10 one
+    drops it), a bad word's last token is banned where its other tokens end the output (a
+    one-token word always; a two-token word's second right after its first, which overlapped
+    steps must wait for), allowed_token_ids keeps only those ids: each as the float64 reference
+    loop decides, beside a plain request in the same steps."""
+    engine = LLMEngine(checkpoint, block_size=4, max_num_seqs=4, max_model_len=96)
+    prompt = [9, 10, 11, 12]
+    free = run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))[0].token_ids
+    boosted, dropped = 7, free[0]
+    cases = [
+        (dict(logit_bias={boosted: 10.0, dropped: -10.0}), ({boosted: 10.0, dropped: -10.0}, {}, None)),
+        (dict(bad_words_token_ids=[[free[0], free[1]], [free[5]]]), ({}, {(free[0],): free[1], (): free[5]}, None)),
+        (dict(allowed_token_ids=[3, 5, 8, free[3]]), ({}, {}, [3, 5, 8, free[3]])),
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kw) for kw, _ in cases]
+    ids = [engine.add_request(prompt, p) for p in params]
+    plain = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = [engine.pop_request(rid).token_ids for rid in ids]
+    assert engine.pop_request(plain).token_ids == free
+    for out, (kw, (bias, bans, allowed)) in zip(outs, cases):
+        assert out == constrained_greedy(hf, prompt, MAX_NEW, bias, bans, allowed), kw
+        assert out != free, f"{kw} did not change the greedy tokens"
+    assert outs[0][0] == boosted
+    assert outs[1][0] == free[0] and outs[1][1] != free[1], "the two-token bad word was not banned after its first"
+    assert set(outs[2]) <= {3, 5, 8, free[3]}
+    assert_no_block_leaks(engine)

@@ -4,7 +4,6 @@ for token against eager with no eager forward left while serving."""
 import pytest
 import torch
 
-from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.scheduling.sequence import SamplingParams
 from engine.worker.piecewise_graphs import PiecewiseGraphs, Region, prefill_graph_sizes
@@ -52,16 +51,6 @@ def test_an_eager_region_reads_and_writes_the_real_rows_only():
     Region(attend, (q, k), out).run(20)
     assert seen == [(20, 20)]
     assert torch.equal(out[:20], q[:20] * k[:20]) and (out[20:] == 7.0).all()
-
-
-def test_prefill_graph_tokens_needs_cuda_graphs(tmp_path):
-    """The option is 0 by default without CUDA graphs (here: the CPU); asking for piecewise graphs
-    there, or for a negative size, is a ValueError naming it."""
-    model_dir = make_tiny_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM", seed=0)
-    assert EngineArgs(model=str(model_dir), device="cpu").create_engine_config().parallel.prefill_graph_tokens == 0
-    for bad, message in ((64, "prefill_graph_tokens=64 needs CUDA graphs"), (-1, "prefill_graph_tokens must be")):
-        with pytest.raises(ValueError, match=message):
-            EngineArgs(model=str(model_dir), device="cpu", prefill_graph_tokens=bad).create_engine_config()
 
 
 ENGINE_ARGS = dict(device="cuda", dtype="float32", block_size=16, max_num_seqs=8, max_model_len=512,

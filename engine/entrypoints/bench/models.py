@@ -154,7 +154,7 @@ def weights_instead_of_checkpoint(tensors_for):
     """While inside, a ModelRunner fills its model from ``tensors_for(model)`` (an iterable of
     checkpoint-named tensors, loaded by ``load_weights``) instead of reading safetensors.
     ModelRunner has no weights hook; this swaps the one name it loads through."""
-    from engine.model.loader import load_weights
+    from engine.model.weight_loading import load_weights
     from engine.worker import model_runner
 
     real = model_runner.load_checkpoint

@@ -21,8 +21,9 @@ class DecoderLayer(nn.Module):
     residual)``: the first layer's residual is None; later layers add it in ``input_layernorm``
     (``fused_add_rms_norm``), each norm with this layer's own weights. ``self_attn(positions,
     hidden)`` and ``mlp(hidden)`` are the family's modules. With ``keep_rows`` (int64 row indices)
-    the rows after attention are only those, in that order: [R, H] out (the last layer, whose
-    other rows nothing reads)."""
+    the rows after attention are only those, in that order, hidden and residual alike (one
+    ``index_select`` of each by the same indices): [R, H] out (the last layer, whose other rows
+    nothing reads)."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: ModelConfig):
         super().__init__()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from engine.distributed import TPGroup, get_tp_group
 from engine.model.config import ModelConfig, QwenMoeConfig
+from engine.model.layers.gqa_attention import GQAAttention
 from engine.model.layers.mlp import SwiGLUMLP
 from engine.model.layers.moe import DENSE_MAX_TOKENS, EXPERT_PARAMS, GatedSharedExpertMoE, MoE, expert_group
 from engine.model.models.decoder import CausalLM, DecoderLayer
-from engine.model.models.dense import PACKED_MODULES, GQAAttention
+from engine.model.models.dense import PACKED_MODULES
 
 
 class QwenMoeDecoderLayer(DecoderLayer):
