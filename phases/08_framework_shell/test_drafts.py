@@ -1,4 +1,5 @@
-"""Verify entries in the scheduler: decodes carry drafted tokens from the budget and blocks left,
+"""Drafts in the scheduler (speculative decoding's verify entries; phase 13 brings the n-gram drafter,
+here a drafter written for the tests stands in for it): decodes carry drafted tokens from the budget and blocks left,
 the longest draft prefix equal to the sampled tokens is accepted plus the token sampled after it,
 runs are cut where a token ends the sequence, only accepted positions count as computed and are
 published, blocks holding only rejected drafts are freed, and drafts never pass the room
@@ -15,9 +16,25 @@ from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
 from engine.scheduling.sequence import SamplingParams, Sequence
 from engine.scheduling.sequence import SequenceStatus as S
-from engine.scheduling.speculative import NgramDrafter
 
 EOS = 0
+
+
+class LookupDrafter:
+    """A drafter as the Scheduler takes one (``propose(seq, max_tokens)``): up to ``k`` tokens that
+    followed the latest earlier occurrence of the sequence's last 3, else 2, else 1 tokens."""
+
+    def __init__(self, k: int):
+        self.num_speculative_tokens = k
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = seq.token_ids
+        for n in (3, 2, 1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if len(tokens) > n and tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + min(self.num_speculative_tokens, max_tokens)]
+        return []
 
 
 def blocks(num_tokens: int, block_size: int) -> int:
@@ -122,7 +139,7 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
         admission, block_size, max_model_len, max_num_seqs, budget_slack, pool_slack, k, noisy, requests, seed):
     """Random workloads (shared prefixes, prompts continuing an earlier request's output so they
     hit its published blocks, aborts, requests asking logprobs, small budgets and pools that
-    preempt) with the n-gram drafter, synchronous steps: every step's drafts stay within their
+    preempt) with a lookup drafter, synchronous steps: every step's drafts stay within their
     room, every entry's tokens follow the acceptance rule, every context reads its own K/V, no
     block leaks, every request finishes."""
     rng, noise = random.Random(seed), random.Random(seed + 1)
@@ -130,7 +147,7 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
     num_blocks = max(1, blocks(max_model_len, block_size) + pool_slack)
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(SchedulerSettings(max_num_seqs, budget, max_model_len, admission), bm, eos_token_id=EOS,
-                      drafter=NgramDrafter(k, prompt_lookup_min=1, prompt_lookup_max=3))
+                      drafter=LookupDrafter(k))
     kv = KVModel(block_size)
     families = [[rng.randint(0, 5) for _ in range(6)] for _ in range(2)]
     seqs: dict[int, Sequence] = {}
@@ -168,7 +185,7 @@ def test_verify_entries_follow_the_acceptance_rule_and_keep_the_cache_right(
 def make(num_blocks=32, block_size=4, budget=64, max_model_len=64, k=4):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(SchedulerSettings(1, budget, max_model_len), bm, eos_token_id=EOS,
-                     drafter=NgramDrafter(k, 1, 3)), bm
+                     drafter=LookupDrafter(k)), bm
 
 
 def prefill(sched: Scheduler, seq: Sequence, first: int) -> None:
