@@ -75,13 +75,23 @@ class LLMEngine:
     postprocesses while the device computes; the tokens are those of synchronous steps.
     ``speculative="ngram"`` drafts tokens by prompt lookup and verifies them in the decode step
     (``engine.scheduling.speculative``), giving plain decoding's tokens; its drafts need every token on the
-    host, so its steps are synchronous (overlap is turned off, with a log line).
+    host, so its steps are synchronous (overlap is turned off: an INFO line on this module's logger
+    saying "overlap is off"; the hf backend refuses speculation with a ValueError naming the "hf
+    backend"). At its start rank 0 prints ``summary()`` to stderr (the start line a CLI user sees).
+
+    A request whose step raised ends with ``error`` "the engine failed on this request: <exception
+    type>: <message>". A token id outside the vocabulary is a ValueError naming
+    ``SamplingParams.<field>``; the hf backend refuses the features it lacks naming "constraints".
 
     Requests with ``structured`` params (a grammar) are masked by phase 14's grammar state, reached
     only through ``grammar_compiler``, ``_add_grammar`` and ``_advance_grammars``; their steps read
     back the token the next mask needs before planning it.
 
-    ``engine_config`` is the resolved config; ``config`` the checkpoint's ``ModelConfig``.
+    ``engine_config`` is the resolved config; ``config`` the checkpoint's ``ModelConfig``. The
+    server and the benchmarks read ``model_dir``, ``dtype``, ``device``, ``overlap``,
+    ``max_model_len``, ``generation_config``, ``tokenizer``, ``num_steps``, ``host_seconds`` (time
+    ``step()`` spent on the host, device waits excluded) and ``num_prompt_tokens`` (of the requests
+    admitted).
     """
 
     def __init__(self, model_dir: str | Path | EngineConfig | None = None, inference_backend: str = "tp",
@@ -125,7 +135,9 @@ class LLMEngine:
             print(self.summary(), file=sys.stderr, flush=True)
 
     def summary(self) -> str:
-        """One line: the config's choices and what loading made of them."""
+        """One line (printed to stderr at the start, rank 0): the config's choices and what loading
+        made of them, e.g. "eager", "overlapped steps" or "synchronous steps", "n-gram speculation
+        (k=4, n=1..3)"."""
         c, r = self.engine_config, self.runner
         kv_tokens = r.num_blocks * c.cache.block_size
         steps = f"CUDA graphs for batch sizes up to {max(r.graphs)}" if getattr(r, "graphs", None) else "eager"

@@ -334,7 +334,14 @@ class Scheduler:
         end; finish (and free) those that sampled EOS (unless ignore_eos) or a stop token id, or
         reached max_tokens or max_model_len. A sequence finished since the batch was scheduled
         gets no token (it is dropped; what the step computed from known tokens is still
-        published); its blocks are freed once no batch in flight holds it."""
+        published); its blocks are freed once no batch in flight holds it.
+
+        ``token_ids`` holds one id per logits row (``batch.num_logits_rows``: the entries, then
+        each drafted token), else a ValueError "N sampled rows but M token ids". An entry with a
+        draft accepts its longest prefix equal to the ids sampled after the tokens before it
+        (``accepted_length``), appends it and the id sampled after it (cut where a token ends the
+        sequence), adds the accepted positions to ``num_computed_tokens`` and releases the blocks
+        past them (``BlockManager.release_slots(seq, seq.num_computed_tokens)``)."""
         if not self._in_flight or self._in_flight[0] is not batch:
             raise RuntimeError("postprocess() takes the batches in the order they were scheduled")
         if batch.num_logits_rows != len(token_ids):
@@ -502,7 +509,10 @@ class Scheduler:
         """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest
         first, while the token budget and free blocks last: at most what keeps the step within
         ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties,
-        logprobs or constraints that read the output take none."""
+        logprobs or constraints that read the output take none. A draft goes to ``batch.drafts[i]``
+        and adds to ``batch.num_tokens[i]`` only: ``seq.num_computed_tokens`` keeps counting the
+        entry's own token until ``postprocess`` adds the accepted drafts; the blocks for the drafted
+        positions come from ``BlockManager.take_slots``."""
         budget = self.max_num_batched_tokens - batch.total_tokens
         for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             params = seq.sampling_params

@@ -87,7 +87,10 @@ class ModelRunner:
     ``release(seq)``: the sequence is finished or preempted and no step in flight holds it; its
     rows are reused. Decode steps replay CUDA graphs with ``config.parallel.cuda_graphs``; steps
     with prefill chunks of up to ``config.parallel.prefill_graph_tokens`` tokens replay piecewise
-    CUDA graphs (0: none); every graph is captured into one memory pool (``graph_pool``).
+    CUDA graphs (0: none); every graph is captured into one memory pool (``graph_pool``);
+    ``graph_replays`` counts the decode steps that replayed one. The persistent ``input_batch``
+    has 2 x ``max_num_seqs`` rows: with overlapped steps a finished sequence keeps its row until
+    the step in flight that holds it is read back, while as many new ones take rows.
     """
 
     def __init__(self, config: EngineConfig, tp: TPGroup, eos_token_ids=frozenset()):

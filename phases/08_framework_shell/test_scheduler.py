@@ -681,7 +681,7 @@ def test_prompt_tokens_beside_decodes_are_capped_and_a_step_without_decodes_take
     assert steps == [[("first", 12, 1), ("second", 0, 3)],
                      [("first", 13, 1), ("second", 3, 2), ("third", 0, 1)],
                      [("first", 14, 1), ("second", 5, 1), ("third", 1, 3)]]
-    with pytest.raises(ValueError, match="prefill_tokens_beside_decodes"):
+    with pytest.raises(ValueError, match=r"^prefill_tokens_beside_decodes must be >= 0 \(0: no cap\), got -1$"):
         SchedulerSettings(1, 4, 8, prefill_tokens_beside_decodes=-1)
 
 
@@ -797,12 +797,13 @@ def test_multiple_eos_ids_and_none():
 
 
 def test_bad_arguments_raise():
+    """Each refusal names the value and says the rule (the engine's CLI prints these words)."""
     bm = BlockManager(8, 2)
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(2\) must be >= max_num_seqs \(4\)"):
         SchedulerSettings(max_num_seqs=4, max_num_batched_tokens=2, max_model_len=16)
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match="max_num_seqs and max_model_len must be >= 1, got 0, 16"):
         SchedulerSettings(max_num_seqs=0, max_num_batched_tokens=2, max_model_len=16)
-    with pytest.raises(ValueError, match="admission"):
+    with pytest.raises(ValueError, match="admission must be one of"):
         SchedulerSettings(2, 8, 16, admission="lottery")
     with pytest.raises(ValueError, match="watermark"):
         Scheduler(SchedulerSettings(2, 8, 16), bm, eos_token_id=0, watermark=1.0)
@@ -814,7 +815,7 @@ def test_bad_arguments_raise():
     batch = sched.schedule()
     with pytest.raises(ValueError, match="not WAITING"):
         sched.add(seq)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match=r"^1 sampled rows but 0 token ids$"):
         sched.postprocess(batch, [])
 
 

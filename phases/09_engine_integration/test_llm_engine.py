@@ -437,3 +437,38 @@ def test_prefill_graph_tokens_needs_cuda_graphs(tmp_path):
     for bad, message in ((64, "prefill_graph_tokens=64 needs CUDA graphs"), (-1, "prefill_graph_tokens must be")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(model=str(model_dir), device="cpu", prefill_graph_tokens=bad).create_engine_config()
+
+
+def test_what_the_engine_says_start_line_failed_steps_and_refusals(checkpoints, capfd, caplog, monkeypatch):
+    """The words a user (and the server, the CLI) reads: the start line on stderr; a failed step's
+    error naming the exception; the speculative log line and summary; the vocabulary and hf-backend
+    refusals naming the field and the backend; the attributes the server and benchmarks read."""
+    import logging
+
+    path = checkpoints["Qwen3ForCausalLM"]
+    with caplog.at_level(logging.INFO, logger="engine.core.llm_engine"):
+        spec = LLMEngine(path, speculative="ngram", num_speculative_tokens=3, **ENGINE_ARGS)
+    assert any("overlap is off" in r.getMessage() for r in caplog.records if r.name == "engine.core.llm_engine")
+    assert spec.summary() in capfd.readouterr().err  # printed at the start
+    assert "n-gram speculation (k=3" in spec.summary() and "synchronous steps" in spec.summary()
+    assert (spec.model_dir, spec.overlap, spec.max_model_len) == (spec.engine_config.model.model_dir, False, 128)
+    assert spec.dtype is not None and isinstance(spec.generation_config, dict) and spec.num_prompt_tokens == 0
+    vocab = spec.config.vocab_size
+    for field, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [vocab]),
+                         ("bad_words_token_ids", [[vocab]]), ("stop_token_ids", [vocab])):
+        with pytest.raises(ValueError, match=rf"^SamplingParams\.{field} must hold token ids in \[0, {vocab}\)"):
+            spec.add_request([1, 2, 3], SamplingParams(**{field: value}))
+    hf = LLMEngine(path, inference_backend="hf", **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="the hf backend does not apply penalties, min_tokens or constraints"):
+        hf.add_request([1, 2, 3], SamplingParams(logit_bias={5: 1.0}))
+    with pytest.raises(ValueError, match="hf backend"):
+        LLMEngine(path, inference_backend="hf", speculative="ngram", **ENGINE_ARGS)
+
+    engine = LLMEngine(path, **ENGINE_ARGS)
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    monkeypatch.setattr(engine.runner, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    out = engine.pop_request(rid)
+    assert out.finished and out.error == "the engine failed on this request: RuntimeError: device lost"
+    assert_no_block_leaks(engine)
