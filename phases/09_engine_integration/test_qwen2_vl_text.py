@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.core.llm_engine import LLMEngine
-from engine.model.models.dense import QwenVLTextForCausalLM
+from engine.model.models.qwen_vl import QwenVLTextForCausalLM
 from engine.scheduling.sequence import SamplingParams
 from engine_cases import assert_no_block_leaks, prompts_with_shared_prefix
 from phases.checkpoints import randomize_weights, write_tokenizer

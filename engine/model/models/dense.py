@@ -34,12 +34,3 @@ class DenseForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         tp = tp or get_tp_group()
         super().__init__(config, (DenseDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)), tp)
-
-
-class QwenVLTextForCausalLM(DenseForCausalLM):
-    """The language model of Qwen2-VL / Qwen2.5-VL, text only: the vision tower's tensors are
-    skipped, and a checkpoint's ``model.language_model.*`` names (transformers 5) load like
-    ``model.*``. With text-only input all three M-RoPE position ids are equal, so M-RoPE is
-    plain RoPE."""
-
-    checkpoint_prefixes = {"visual.": None, "model.visual.": None, "model.language_model.": "model."}

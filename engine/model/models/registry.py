@@ -11,8 +11,9 @@ from torch import nn
 from engine.distributed import TPGroup
 from engine.model.config import ModelConfig
 from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.model.models.dense import DenseForCausalLM, QwenVLTextForCausalLM
+from engine.model.models.dense import DenseForCausalLM
 from engine.model.models.qwen_moe import QwenMoeForCausalLM
+from engine.model.models.qwen_vl import QwenVLTextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": DenseForCausalLM,
