@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", type=_positive, default=40, help="mutants run per phase (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="the sample's seed (default: %(default)s)")
     c.add_argument("--jobs", type=_positive, default=2, help="mutants run at once (default: %(default)s)")
+    c.add_argument("--later-seconds", type=_positive, help="stop running a mutant's later phases after this long "
+                                                            "(verdict unresolved; default: no limit)")
     c.add_argument("--report", type=Path, help="JSON report (default: ROOT/build/contracts-report.json)")
     cn = sub.add_parser("canonical", help="the canonical text of a symbol (path::Qualified.name), which a "
                                           "mutation's find and replace are written against")
@@ -253,7 +255,7 @@ def cmd_contracts(root: Path, args, argv: list[str]) -> int:
     ids = contracts.phase_ids(root)
     chosen = sorted(args.phase & set(ids)) if args.phase else ids
     matrices = contracts.compute(root, chosen, args.budget, args.seed, args.jobs,
-                                 progress=lambda line: print(line, flush=True))
+                                 progress=lambda line: print(line, flush=True), later_seconds=args.later_seconds)
     print("\n" + contracts.summary(matrices))
     path = args.report or root / "build" / "contracts-report.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,9 @@ A mutant is then
   failing test names the contract) -- unless the owner's gate names the function under
   ``contracts_tested_later:`` with that phase and why (an ``exception``);
 - ``none``: no phase fails (an equivalent mutant, or a change nothing tests);
+- ``unresolved``: the owner's tests pass and the later phases' ran out of ``later_seconds``
+  before any failed (a budget for the slowest case, a mutant no phase kills, which runs every
+  later test file that calls its function);
 - ``unexercised``: no test file of the owner or a later phase calls the function (counted over
   every mutant, never sampled: running them cannot fail anything).
 
@@ -68,7 +71,7 @@ class Verdict:
     line: int
     before: str
     after: str
-    verdict: str = "none"            # owner, later, exception, none
+    verdict: str = "none"            # owner, later, exception, none, unresolved
     killed_by: str = ""              # the phase whose run failed first
     failing_test: str = ""
     why: str = ""                    # an exception's reason
@@ -190,7 +193,7 @@ def _pyc_gone(path: Path) -> None:
 
 
 def _judge(tree: Path, m: Mutant, owner: str, later: list[str], by_phase: dict[str, list[Target]],
-           plan: _Plan, exceptions: dict[str, tuple[str, str]]) -> Verdict:
+           plan: _Plan, exceptions: dict[str, tuple[str, str]], later_seconds: float | None) -> Verdict:
     path, qualname = anchor.split_symbol(m.symbol)
     v = Verdict(m.id, m.symbol, m.operator, m.line, m.before, m.after)
     file = tree / path
@@ -199,10 +202,16 @@ def _judge(tree: Path, m: Mutant, owner: str, later: list[str], by_phase: dict[s
     try:
         file.write_text(anchor.splice(original, qualname, m.text))
         _pyc_gone(file)
+        later_start = None
         for phase in [owner, *later]:
             for t in sorted(by_phase.get(phase, []), key=lambda t: plan.seconds[t]):   # quick kills first
                 if t in plan.broken or (path, qualname) not in plan.calls[t]:
                     continue
+                if phase != owner:
+                    later_start = later_start or time.monotonic()
+                    if later_seconds is not None and time.monotonic() - later_start > later_seconds:
+                        v.verdict = "unresolved"
+                        return v
                 ok, failing, _ = _run(tree, t, max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * plan.seconds[t]))
                 if not ok:
                     v.killed_by, v.failing_test = phase, failing
@@ -230,7 +239,8 @@ def phase_mutants(root: Path, own: ownership.Ownership, phase: str) -> list[Muta
     return found
 
 
-def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, progress=print) -> list[PhaseMatrix]:
+def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, progress=print,
+            later_seconds: float | None = None) -> list[PhaseMatrix]:
     """The matrix of ``phases`` (see the module docstring)."""
     gates = ownership.all_gates(root)
     own = ownership.load(root, gates)
@@ -272,7 +282,7 @@ def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, pr
             def one(m: Mutant) -> Verdict:
                 tree = trees.get()
                 try:
-                    v = _judge(tree, m, phase, later[phase], by_phase, plan, exceptions)
+                    v = _judge(tree, m, phase, later[phase], by_phase, plan, exceptions, later_seconds)
                 finally:
                     trees.put(tree)
                 where = f" by {v.killed_by}: {v.failing_test}" if v.killed_by else ""
@@ -287,11 +297,11 @@ def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, pr
 
 def summary(matrices: list[PhaseMatrix]) -> str:
     """A table of the figures per phase, then every owner-untested contract."""
-    lines = ["| phase | mutants | no test calls | run | owner kills | later only | exceptions | none |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| phase | mutants | no test calls | run | owner kills | later only | exceptions | none | unresolved |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in matrices:
         lines.append(f"| {m.phase} | {m.pool} | {m.unexercised} | {len(m.verdicts)} | {m.count('owner')} | "
-                     f"{m.count('later')} | {m.count('exception')} | {m.count('none')} |")
+                     f"{m.count('later')} | {m.count('exception')} | {m.count('none')} | {m.count('unresolved')} |")
     for m in matrices:
         for v in (v for v in m.verdicts if v.verdict == "later"):
             lines.append(f"\nphase {m.phase} does not test: {v.id} (line {v.line}) {v.before!r} -> {v.after!r}\n"
@@ -302,7 +312,7 @@ def summary(matrices: list[PhaseMatrix]) -> str:
 def report(matrices: list[PhaseMatrix], argv: list[str]) -> dict:
     return {"command": " ".join(["python -m gates", *argv]),
             "phases": [{"phase": m.phase, "pool": m.pool, "unexercised": m.unexercised,
-                        **{k: m.count(k) for k in ("owner", "later", "exception", "none")},
+                        **{k: m.count(k) for k in ("owner", "later", "exception", "none", "unresolved")},
                         "mutants": [asdict(v) for v in m.verdicts]} for m in matrices]}
 
 

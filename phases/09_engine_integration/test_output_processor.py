@@ -31,10 +31,13 @@ def appended(proc: OutputProcessor, seq: Sequence, ids: list[int], finish: str |
 @pytest.mark.parametrize("stop", [[], ["@@@@"], ["zz", "#####"]])
 def test_streamed_text_is_held_back_only_by_what_could_become_a_stop_string(tokenizer, stop):
     """After each step the text pushed so far is the whole text but its last len(longest stop
-    string) - 1 characters (all of it without stop strings); at the finish, all of it."""
+    string) - 1 characters (all of it without stop strings); at the finish, all of it.
+    num_generation_tokens (the server's generation-token counter) counts the tokens that reached
+    the output, from 0."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     hold = max(map(len, stop), default=1) - 1
     proc = OutputProcessor(tokenizer)
+    assert proc.num_generation_tokens == 0
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=len(ids), stop=stop), request_id="r")
     proc.add(seq)
     pushed = ""
@@ -45,6 +48,7 @@ def test_streamed_text_is_held_back_only_by_what_could_become_a_stop_string(toke
         so_far = tokenizer.decode(ids[:i + 1])
         assert pushed == (so_far if last else so_far[:max(0, len(so_far) - hold)]), f"after token {i}"
     assert pushed == TEXT == proc.output("r").text
+    assert proc.num_generation_tokens == len(ids)
 
 
 def test_a_stop_string_inside_a_run_of_appended_tokens_ends_the_output_at_its_token(tokenizer):
