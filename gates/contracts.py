@@ -239,19 +239,62 @@ def phase_mutants(root: Path, own: ownership.Ownership, phase: str) -> list[Muta
     return found
 
 
+@dataclass
+class _Session:
+    """What judging a phase's mutants needs: the gates, ownership, each phase's later phases and
+    targets, the map run, the tree copies (a queue) and how to run and report."""
+    root: Path
+    gates: dict[str, Gate]
+    own: ownership.Ownership
+    later: dict[str, list[str]]
+    by_phase: dict[str, list[Target]]
+    plan: _Plan
+    trees: Queue
+    jobs: int
+    progress: object
+    later_seconds: float | None
+
+    def matrix(self, phase: str, budget: int, seed: int) -> PhaseMatrix:
+        """The phase's pool, what no test reaches, and its seeded sample of ``budget`` judged."""
+        reach = [t for q in [phase, *self.later[phase]] for t in self.by_phase[q] if t not in self.plan.broken]
+        called = set().union(*(self.plan.calls[t] for t in reach)) if reach else set()
+        pool = phase_mutants(self.root, self.own, phase)
+        matrix = PhaseMatrix(phase, pool=len(pool))
+        exercised = sorted((m for m in pool if anchor.split_symbol(m.symbol) in called), key=lambda m: m.id)
+        matrix.unexercised = len(pool) - len(exercised)
+        random.Random(f"{seed}:{phase}").shuffle(exercised)
+        exceptions = {e.symbol: (e.phase, e.why) for e in self.gates[phase].contracts_tested_later}
+        self.progress(f"phase {phase}: {len(pool)} mutants, {matrix.unexercised} in functions no test calls; "
+                      f"running {min(budget, len(exercised))}")
+
+        def one(m: Mutant) -> Verdict:
+            tree = self.trees.get()
+            try:
+                v = _judge(tree, m, phase, self.later[phase], self.by_phase, self.plan, exceptions, self.later_seconds)
+            finally:
+                self.trees.put(tree)
+            where = f" by {v.killed_by}: {v.failing_test}" if v.killed_by else ""
+            self.progress(f"  {v.verdict:<10} {m.id} line {m.line}: {m.before!r} -> {m.after!r}{where} "
+                          f"({v.duration_s:.0f} s)")
+            return v
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool_:
+            matrix.verdicts = list(pool_.map(one, exercised[:budget]))
+        return matrix
+
+
 def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, progress=print,
             later_seconds: float | None = None) -> list[PhaseMatrix]:
     """The matrix of ``phases`` (see the module docstring)."""
     gates = ownership.all_gates(root)
-    own = ownership.load(root, gates)
     closure = ownership.dependency_closure(gates)
     order = topological_order({i: g.depends_on for i, g in gates.items()})
     later = {p: [q for q in order if p in closure[q]] for p in phases}
     needed = sorted(set(phases) | {q for p in phases for q in later[p]})
     by_phase = {p: targets(root, p, gates[p]) for p in needed}
+    jobs = max(1, jobs)
     with tempfile.TemporaryDirectory(prefix="gates-contracts-") as tmp:
         trees: Queue[Path] = Queue()
-        for i in range(max(1, jobs)):
+        for i in range(jobs):
             shutil.copytree(root, Path(tmp, f"tree{i}"), ignore=COPY_IGNORE, symlinks=True)
             trees.put(Path(tmp, f"tree{i}"))
         chosen = [t for p in needed for t in by_phase[p]]
@@ -265,34 +308,17 @@ def compute(root: Path, phases: list[str], budget: int, seed: int, jobs: int, pr
             _save(cache, digest, plan)
         else:
             progress(f"contracts: which functions the tests call, from {cache} (same code and tests)")
-        matrices = []
-        for phase in phases:
-            reach = [t for q in [phase, *later[phase]] for t in by_phase[q] if t not in plan.broken]
-            called = set().union(*(plan.calls[t] for t in reach)) if reach else set()
-            pool = phase_mutants(root, own, phase)
-            matrix = PhaseMatrix(phase, pool=len(pool))
-            exercised = [m for m in pool if anchor.split_symbol(m.symbol) in called]
-            matrix.unexercised = len(pool) - len(exercised)
-            sample = sorted(exercised, key=lambda m: m.id)
-            random.Random(f"{seed}:{phase}").shuffle(sample)
-            exceptions = {e["symbol"]: (e["phase"], e["why"]) for e in map(asdict, gates[phase].contracts_tested_later)}
-            progress(f"phase {phase}: {len(pool)} mutants, {matrix.unexercised} in functions no test calls; "
-                     f"running {min(budget, len(sample))}")
-
-            def one(m: Mutant) -> Verdict:
-                tree = trees.get()
-                try:
-                    v = _judge(tree, m, phase, later[phase], by_phase, plan, exceptions, later_seconds)
-                finally:
-                    trees.put(tree)
-                where = f" by {v.killed_by}: {v.failing_test}" if v.killed_by else ""
-                progress(f"  {v.verdict:<9} {m.id} line {m.line}: {m.before!r} -> {m.after!r}{where} "
-                         f"({v.duration_s:.0f} s)")
-                return v
-            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool_:
-                matrix.verdicts = list(pool_.map(one, sample[:budget]))
-            matrices.append(matrix)
-    return matrices
+        session = _Session(root, gates, ownership.load(root, gates), later, by_phase, plan, trees, jobs, progress,
+                           later_seconds)
+        saved = os.environ.get("PYTEST_ADDOPTS")   # a mutant's run stops at its first failure
+        os.environ["PYTEST_ADDOPTS"] = " ".join(filter(None, [saved, "-x"]))
+        try:
+            return [session.matrix(phase, budget, seed) for phase in phases]
+        finally:
+            if saved is None:
+                del os.environ["PYTEST_ADDOPTS"]
+            else:
+                os.environ["PYTEST_ADDOPTS"] = saved
 
 
 def summary(matrices: list[PhaseMatrix]) -> str:
