@@ -64,6 +64,10 @@ def test_broadcasts_deliver_the_source_rank_values(tp_group, tp_device, src):
     out = broadcast_tensor(t, src=src)
     assert out is t
     torch.testing.assert_close(t.cpu(), rank_input(src, (6,)), rtol=0, atol=0)
+    # by default both send rank 0's (the sampler's ids, the engine's requests)
+    assert broadcast_object(tp_group.rank) == 0
+    t = rank_input(tp_group.rank, (6,)).to(tp_device)
+    torch.testing.assert_close(broadcast_tensor(t).cpu(), rank_input(0, (6,)), rtol=0, atol=0)
 
 
 def test_collectives_on_the_test_device_use_its_backend(tp_group, tp_device, capsys):

@@ -10,6 +10,7 @@ from engine.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from linear_cases import ALL_REDUCE, GEMMS, HEAD_DIM, IN, KINDS, OUT, full_shards, make_layer, op_counts, rand
@@ -44,6 +45,23 @@ def test_tp1_layer_matches_float64_math(kind):
     x = rand(11, 5, IN)
     expected = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_replicated_layer_holds_the_whole_weight_and_matches_float64_math(bias):
+    """ReplicatedLinear (MLA's small projections): the loader copies the whole tensor (a shape that
+    differs is a ValueError), the forward is x W^T + b."""
+    layer = ReplicatedLinear(IN, OUT, bias=bias)
+    weight, b = rand(3, OUT, IN), rand(4, OUT)
+    layer.weight.weight_loader(layer.weight, weight)
+    if bias:
+        layer.bias.weight_loader(layer.bias, b)
+    assert torch.equal(layer.weight, weight) and (torch.equal(layer.bias, b) if bias else layer.bias is None)
+    x = rand(5, 7, IN)
+    expected = F.linear(x.double(), weight.double(), b.double() if bias else None)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        layer.weight.weight_loader(layer.weight, rand(5, OUT + 1, IN))
 
 
 @pytest.mark.parametrize("size", [2, 4])
