@@ -162,3 +162,23 @@ def test_mlp_decode_gemv_path_equals_the_unfused_mlp():
         mlp.down_proj.decode_gemv_rows = 4
         assert_close(mlp(x[:3]), unfused[:3], 1e-5, "MLP output", "decode GEMV path, 3 rows")
         assert_close(mlp(x), unfused, 1e-5, "MLP output", "6 rows, past the GEMV's 4")
+
+
+def test_keep_rows_reach_only_the_last_layer_and_give_the_full_models_rows():
+    """DecoderModel with keep_rows (a reversed subset) gives exactly the full forward's hidden
+    states at those rows: only the last layer selects them, every earlier layer runs every row."""
+    from engine.model.attention_context import forward_context
+    from phases.harness import prefill_context
+
+    cfg = engine_config("Qwen3ForCausalLM", num_hidden_layers=3)
+    model = DenseForCausalLM(cfg, TPGroup())
+    randomize_weights(model, seed=12)
+    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(12))
+    keep = torch.tensor([11, 7, 3])
+    positions, ctx = prefill_context([8, 4], [0, 0], [[0], [1]], 16, "cpu")
+    with forward_context(ctx), torch.no_grad():
+        full = model(ids, positions)
+        kept = model(ids, positions, keep)
+    assert kept.shape[0] == 3
+    assert_close(kept, full[keep], 1e-5, "hidden states at the kept rows", "3 layers, rows 11, 7, 3")
