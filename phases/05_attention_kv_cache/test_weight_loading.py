@@ -44,7 +44,8 @@ def test_expert_and_packed_names_reach_their_parameter_with_their_shard():
     assert sorted(model.calls) == sorted([("experts.gate_up_proj", (e, p)) for e in range(4) for p in range(2)]
                                          + [("attn.qkv_proj", s) for s in "qkv"])
     assert torch.equal(model.experts.gate_up_proj[3, 1], torch.full((3,), 31.0))
-    with pytest.raises(ValueError, match=r"no tensor for parameter\(s\): experts.gate_up_proj \(shards \['\(0, 0\)'\]\)$"):
+    missing = r"no tensor for parameter\(s\): experts.gate_up_proj \(shards \['\(0, 0\)'\]\)$"
+    with pytest.raises(ValueError, match=missing):
         load_weights(Recorded(), tensors[1:], progress=False)
 
 
