@@ -39,6 +39,11 @@ def test_good_sampling_params_are_kept():
     assert all(SamplingParams(**{name: value}).penalized for name, value in
                [("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2)])
     assert params.penalized and not SamplingParams().penalized and SamplingParams(top_k=2**31 - 1).top_k
+    # any one constraint alone changes the logits; only a grammar or a bad word of several tokens reads the output
+    alone = [dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[3]), dict(bad_words_token_ids=[[3]]),
+             dict(bad_words_token_ids=[[3, 4]])]
+    assert all(SamplingParams(**kw).constrained for kw in alone) and not SamplingParams().constrained
+    assert [SamplingParams(**kw).reads_output for kw in alone] == [False, False, False, True]
 
 
 def test_logit_bias_is_kept_as_pairs_sorted_by_token_id():
