@@ -356,3 +356,15 @@ def test_can_allocate_honours_a_reservation():
 def test_bad_sizes_raise(num_blocks, block_size):
     with pytest.raises(ValueError, match="num_blocks and block_size"):
         BlockManager(num_blocks, block_size)
+
+
+def test_allocating_a_sequence_that_holds_blocks_raises():
+    """A second allocate of a sequence (its table still held) is a ValueError naming it, and takes
+    no block."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Sequence(list(range(6)), request_id="twice")
+    bm.allocate(seq)
+    free = bm.num_free_blocks
+    with pytest.raises(ValueError, match="^twice already holds blocks$"):
+        bm.allocate(seq)
+    assert bm.num_free_blocks == free and len(seq.block_table) == 2
