@@ -65,7 +65,8 @@ if TYPE_CHECKING:
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
-    """The captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16, up to ``limit``."""
+    """The captured decode batch sizes: 1, 2, 4, 8, then every multiple of 16, up to ``limit``,
+    and ``limit`` itself (a batch of ``max_num_seqs`` replays a graph of its own size)."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, limit + 1, 16), limit) if b <= limit})
 
 

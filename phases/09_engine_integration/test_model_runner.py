@@ -259,3 +259,13 @@ def test_padded_decode_rows_are_harmless(engine):
         torch.testing.assert_close(flat_after[..., real_slots, :, :], flat_before[..., real_slots, :, :])
     complete(engine, batch)
     abort_all(engine, seqs)
+
+
+def test_graph_batch_sizes_climb_the_ladder_and_end_at_the_limit():
+    """Decode graphs are captured for 1, 2, 4, 8, every multiple of 16, and the limit itself."""
+    from engine.worker.model_runner import graph_batch_sizes
+
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(1) == [1]
