@@ -252,7 +252,7 @@ def cmd_audit(root: Path, args, argv: list[str]) -> int:
 
 
 def cmd_contracts(root: Path, args, argv: list[str]) -> int:
-    ids = contracts.phase_ids(root)
+    ids = [p.id for p in discover(root)]
     chosen = sorted(args.phase & set(ids)) if args.phase else ids
     matrices = contracts.compute(root, chosen, args.budget, args.seed, args.jobs,
                                  progress=lambda line: print(line, flush=True), later_seconds=args.later_seconds)

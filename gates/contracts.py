@@ -43,7 +43,7 @@ from gates import anchor, ownership
 from gates.audit import COPY_IGNORE
 from gates.execute import execute, missing_requirements
 from gates.mutants import Mutant, mutants
-from gates.phases import discover, test_targets, topological_order
+from gates.phases import test_targets, topological_order
 from gates.schema import Gate, Run
 
 MIN_TIMEOUT_S = 60.0
@@ -345,7 +345,3 @@ def report(matrices: list[PhaseMatrix], argv: list[str]) -> dict:
 def exit_code(matrices: list[PhaseMatrix]) -> int:
     """0 when no sampled mutant is caught only by a later phase (exceptions aside)."""
     return 0 if all(m.count("later") == 0 for m in matrices) else 1
-
-
-def phase_ids(root: Path) -> list[str]:
-    return [p.id for p in discover(root)]

@@ -24,6 +24,10 @@ from pathlib import Path
 
 _tests: dict[str, dict] = {}
 _xdist_worker = False  # set in pytest_configure: this session is a pytest-xdist worker
+# the session's rank and whether it is one of a torchrun run, read from its environment when it
+# starts (pytest_configure): a test that sets RANK or WORLD_SIZE itself (monkeypatch) changes neither
+_rank = 0
+_torchrun = False
 MESSAGE_CHARS = 2000
 
 
@@ -45,19 +49,14 @@ def _record(nodeid: str, outcome: str, duration: float, message: str = "", prope
         entry.update(outcome=outcome, message=message, failed_at=time.time())
 
 
-def _in_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def _write(exitstatus: int) -> None:
     out_dir = os.environ.get("GATES_RESULT_DIR")
     if not out_dir or _xdist_worker:  # under xdist the controller gets every report
         return
-    rank = int(os.environ.get("RANK", "0"))
-    payload = {"rank": rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
+    payload = {"rank": _rank, "exitstatus": int(exitstatus), "tests": list(_tests.values())}
     # written whole or not at all: a session killed while writing (the runner stops the rest of a
     # run once one session fails) leaves no half-written file for the runner to read
-    path = Path(out_dir, f"rank{rank}.json")
+    path = Path(out_dir, f"rank{_rank}.json")
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(payload, indent=1, default=str))
     os.replace(partial, path)
@@ -67,9 +66,8 @@ def _abort_rank(report) -> None:
     """Leave the process group at once: peers blocked in a collective this rank will never
     join get killed by torchrun instead of waiting out the collective timeout."""
     _write(exitstatus=1)
-    rank = os.environ.get("RANK", "?")
     text = str(report.longrepr)
-    sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid}; aborting this rank so the others do not hang\n"
+    sys.stderr.write(f"\n[rank {_rank}] FAILED {report.nodeid}; aborting this rank so the others do not hang\n"
                      f"{text[-MESSAGE_CHARS:]}\n")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -80,15 +78,17 @@ def pytest_configure(config) -> None:
     """A worker is known by its config (``workerinput``), never by ``PYTEST_XDIST_WORKER``: a
     gate run started from inside an xdist worker (the gates' own tests under ``make test``)
     inherits that variable while being a session of its own."""
-    global _xdist_worker
+    global _xdist_worker, _rank, _torchrun
     _xdist_worker = hasattr(config, "workerinput")
+    _rank = int(os.environ.get("RANK", "0"))
+    _torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def pytest_runtest_logreport(report) -> None:
     if report.failed:
         _record(report.nodeid, "failed" if report.when == "call" else "error",
                 report.duration, _message(report), report.user_properties)
-        if _in_torchrun() and os.environ.get("GATES_ABORT_ON_FAILURE", "1") != "0":
+        if _torchrun and os.environ.get("GATES_ABORT_ON_FAILURE", "1") != "0":
             _abort_rank(report)
     elif report.skipped:
         _record(report.nodeid, "skipped", report.duration)
