@@ -13,7 +13,6 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +24,6 @@ from engine.model.models.dense import DenseForCausalLM
 from engine.model.models.registry import MODEL_CLASSES, default_dtype
 from engine.scheduling.scheduler import SchedulerSettings
 from engine.scheduling.speculative import SPECULATIVE_METHODS, NgramDrafter
-
-if TYPE_CHECKING:
-    from engine.core.engine_args import EngineArgs
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "default_model"  # engine/default_model
 FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
@@ -186,8 +182,11 @@ def _prefill_graph_tokens(requested: int | None, cuda_graphs: bool, max_num_batc
     return min(requested, max_num_batched_tokens)
 
 
-def resolve(args: EngineArgs) -> EngineConfig:
-    """``args`` with every default decided and every value checked."""
+def resolve(args) -> EngineConfig:
+    """``args`` with every default decided and every value checked. ``args`` is read by attribute:
+    an ``EngineArgs`` (``engine.core.engine_args``, whose ``create_engine_config`` calls this). That
+    module stands above this one and imports it, so this one never names it, not even in an
+    annotation: the two form no import circle (``tests/test_import_graph.py``)."""
     progress = args.progress
     if progress is None:
         progress = sys.stderr.isatty() and int(os.environ.get("RANK", "0")) == 0
@@ -241,7 +240,7 @@ def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, 
     return requested
 
 
-def _speculative(args: EngineArgs, model_class: type | None) -> SpeculativeSettings:
+def _speculative(args, model_class: type | None) -> SpeculativeSettings:
     if args.speculative not in (None, *SPECULATIVE_METHODS):
         raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "
                          f"got {args.speculative!r}")

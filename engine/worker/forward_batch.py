@@ -1,9 +1,10 @@
-"""A step as the device runs it (``ForwardBatch``), and how its host inputs get there: one
-host -> device copy per step (``to_device``, ``to_device_packed``, ``DecodeInputs``)."""
+"""A step as the device runs it (``ForwardBatch``), its host-side sampling plan (``SamplingPlan``),
+and how its host inputs get there: one host -> device copy per step (``DecodeInputs``; the copies
+themselves are ``engine.worker.device_copy``'s)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,21 +13,27 @@ from engine.model.attention_context import AttentionContext
 if TYPE_CHECKING:
     from engine.scheduling.scheduler import ScheduledBatch
     from engine.worker.prompt_logprobs import PromptLogprobsPlan
-    from engine.worker.sampling import SamplingPlan
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host -> device copy: pinned and non-blocking on CUDA (the caching host allocator
-    keeps the pinned block alive until the copy has run)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+@dataclass
+class SamplingPlan:
+    """A step's sampling, decided on the host from its requests' parameters, by logits row: the
+    ``random_rows`` (temperature > 0; the others take the argmax), the ``penalized_rows`` that
+    sample a token, the ``banned`` (row, token id) pairs (a bad word's token, or min_tokens not
+    reached), the ``biased`` (row, token id, bias) triples, the ``allowed`` (row, token id) pairs
+    of the ``allowed_rows`` (every other token of those rows is masked), the ``logprob_rows`` with
+    the most alternatives one of them asks for (``num_logprobs``), and ``grammar_mask``: what the
+    grammar hook's ``fill`` made for the rows of grammar requests (None: no such row)."""
 
-
-def to_device_packed(parts: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Int64 host tensors in one host -> device copy, returned by name (views of one device tensor)."""
-    flat = to_device(torch.cat(list(parts.values())), device)
-    return dict(zip(parts, flat.split([p.numel() for p in parts.values()])))
+    random_rows: list[int]
+    penalized_rows: list[int]
+    banned: list[tuple[int, int]]
+    logprob_rows: list[int]
+    num_logprobs: int
+    biased: list[tuple[int, int, float]] = field(default_factory=list)
+    allowed: list[tuple[int, int]] = field(default_factory=list)
+    allowed_rows: list[int] = field(default_factory=list)
+    grammar_mask: Any = None
 
 
 class DecodeInputs:

@@ -18,7 +18,7 @@ from engine.scheduling.scheduler import SequenceOutput
 from engine.scheduling.sequence import Sequence
 from engine.scheduling.structured.compiler import GrammarCompiler
 from engine.scheduling.structured.matchers import GrammarMatchers, apply_bitmask
-from engine.worker.forward_batch import to_device
+from engine.worker.device_copy import to_device
 
 
 class GrammarRows:

@@ -16,7 +16,7 @@ import torch
 
 from engine.model.attention_context import cache_slots
 from engine.scheduling.sequence import Sequence
-from engine.worker.forward_batch import to_device
+from engine.worker.device_copy import to_device
 
 
 class InputBatch:

@@ -49,7 +49,8 @@ from engine.model.loader import load_checkpoint
 from engine.model.models.registry import build_model
 from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
-from engine.worker.forward_batch import DecodeInputs, ForwardBatch, to_device_packed
+from engine.worker.device_copy import to_device_packed
+from engine.worker.forward_batch import DecodeInputs, ForwardBatch, SamplingPlan
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_cache import bind_kv_cache, free_memory_bytes, kv_bytes_per_token, plan_num_blocks
 from engine.worker.piecewise_graphs import PiecewiseGraphs, prefill_graph_sizes
@@ -58,7 +59,7 @@ from engine.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from engine.worker.runner import LaunchedStep, unique_parameter_bytes
-from engine.worker.sampling import BatchSampler, SamplingPlan
+from engine.worker.sampling import BatchSampler
 
 if TYPE_CHECKING:
     from engine.core.engine_config import EngineConfig

@@ -12,39 +12,15 @@ here is indexed by logits row: each entry's, then each drafted token's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import torch
 
 from engine.model.layers.sampler import Sampler
 from engine.scheduling.scheduler import ScheduledBatch
-from engine.worker.forward_batch import to_device, to_device_packed
+from engine.worker.device_copy import to_device, to_device_packed
+from engine.worker.forward_batch import ForwardBatch, SamplingPlan
 from engine.worker.input_batch import InputBatch
-
-if TYPE_CHECKING:
-    from engine.worker.forward_batch import ForwardBatch
-
-
-@dataclass
-class SamplingPlan:
-    """A step's sampling, decided on the host from its requests' parameters, by logits row: the
-    ``random_rows`` (temperature > 0; the others take the argmax), the ``penalized_rows`` that
-    sample a token, the ``banned`` (row, token id) pairs (a bad word's token, or min_tokens not
-    reached), the ``biased`` (row, token id, bias) triples, the ``allowed`` (row, token id) pairs
-    of the ``allowed_rows`` (every other token of those rows is masked), the ``logprob_rows`` with
-    the most alternatives one of them asks for (``num_logprobs``), and ``grammar_mask``: what the
-    grammar hook's ``fill`` made for the rows of grammar requests (None: no such row)."""
-
-    random_rows: list[int]
-    penalized_rows: list[int]
-    banned: list[tuple[int, int]]
-    logprob_rows: list[int]
-    num_logprobs: int
-    biased: list[tuple[int, int, float]] = field(default_factory=list)
-    allowed: list[tuple[int, int]] = field(default_factory=list)
-    allowed_rows: list[int] = field(default_factory=list)
-    grammar_mask: Any = None
 
 
 @dataclass
