@@ -14,7 +14,6 @@ schedules the same steps. Request ids are counters, identical on every rank.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import sys
 import time
@@ -24,6 +23,7 @@ from engine.core.engine_args import EngineArgs
 from engine.core.engine_config import EngineConfig
 from engine.core.output_processor import OutputProcessor, RequestOutput
 from engine.core.sampling_defaults import GREEDY, read_generation_config, sampling_defaults
+from engine.core.tokenizer import load_tokenizer
 from engine.distributed import all_reduce_path, init_custom_all_reduce, init_tp_distributed
 from engine.model import kernels
 from engine.model.config import ModelConfig
@@ -44,21 +44,6 @@ def _eos_token_ids(generation_config: dict, config: ModelConfig, tokenizer) -> s
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer. A ``tokenizer_config.json`` naming the generic
-    PreTrainedTokenizerFast gets exactly that (AutoTokenizer would prefer the model type's
-    own tokenizer class, which rebuilds a different vocabulary for a plain tokenizer.json)."""
-    import transformers
-
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{str(model_dir)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)")
-    config_file = model_dir / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared == "PreTrainedTokenizerFast":
-        return transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 class LLMEngine:

@@ -1,11 +1,17 @@
-"""``python -m engine generate``: complete prompts and print prompt + completion."""
+"""``python -m engine generate``: complete prompts and print prompt + completion, through the engine client
+(``engine.core.engine_client.InProcessClient``: its core on a thread of this process)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import sys
 
 from engine.core.engine_args import EngineArgs
+from engine.core.engine_client import InProcessClient, Stream
 from engine.core.llm_engine import LLMEngine
+from engine.core.lockstep import mirror_rank0
+from engine.core.output_processor import RequestOutput
 from engine.scheduling.sequence import SamplingParams
 
 
@@ -33,22 +39,45 @@ def add_generate_command(commands) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
+    if engine.tp.rank != 0:  # under torchrun: follow rank 0's core in lock-step
+        mirror_rank0(engine)
+        return 0
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     sampling = {name: engine.sampling_defaults[name] if value is None else value for name, value in given.items()}
     params = SamplingParams(**sampling, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or ())
     prompts = args.prompt or ["def fibonacci(n):"]
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
+    token_ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    client = InProcessClient(engine)
+    client.start()
+    try:
+        outputs = asyncio.run(_complete(client, token_ids, params))
+    finally:
+        client.stop()
     rejected = 0
-    if engine.tp.rank == 0:
-        for i, (prompt, rid) in enumerate(zip(prompts, ids)):
-            out = engine.pop_request(rid)
-            if out.finish_reason == "rejected":
-                rejected += 1
-                print(f"error: prompt {i + 1} rejected: {out.reject_reason}", file=sys.stderr)
-                continue
-            print(prompt + out.text, flush=True)
-            if len(prompts) > 1:
-                print("-" * 40, flush=True)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if out.finish_reason in ("rejected", "error"):
+            rejected += 1
+            print(f"error: prompt {i + 1} {out.finish_reason}: {out.reject_reason or out.error}", file=sys.stderr)
+            continue
+        print(prompt + out.text, flush=True)
+        if len(prompts) > 1:
+            print("-" * 40, flush=True)
     return 1 if rejected else 0
+
+
+async def _complete(client: InProcessClient, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    """Each prompt run to its end through ``client``: its whole output (its text joined)."""
+    bell = asyncio.Event()
+    streams = [Stream(ids, params, i, bell, "") for i, ids in enumerate(prompts)]
+    for stream in streams:
+        client.submit(stream)
+    texts, finals = [""] * len(streams), [None] * len(streams)
+    while not all(finals):
+        await bell.wait()
+        bell.clear()
+        for i, stream in enumerate(streams):
+            update = stream.take()
+            if update is not None:
+                texts[i] += update.text
+                finals[i] = update if update.finished else None
+    return [dataclasses.replace(final, text=text) for final, text in zip(finals, texts)]

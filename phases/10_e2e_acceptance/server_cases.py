@@ -22,10 +22,10 @@ from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Callable
 
+from engine.core.engine_client import InProcessClient
 from engine.core.engine_config import DEFAULT_MODEL_DIR
 from engine.core.lockstep import mirror_rank0
 from engine.entrypoints.server.app import OpenAIServer
-from engine.entrypoints.server.engine_loop import EngineLoop
 from engine.entrypoints.server.metrics import ServerMetrics
 from phases.checkpoints import WORDS, make_tiny_checkpoint
 
@@ -74,8 +74,8 @@ class Running:
     url: str  # http://127.0.0.1:PORT
 
     @property
-    def engine_loop(self) -> EngineLoop:
-        return self.server.engine_loop
+    def engine_client(self) -> InProcessClient:
+        return self.server.engine_client
 
 
 @contextlib.contextmanager
@@ -91,7 +91,7 @@ def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | No
         return asyncio.run_coroutine_threadsafe(coroutine, event_loop).result(timeout)
 
     async def make():
-        return OpenAIServer(EngineLoop(engine, metrics), model_name, **options)
+        return OpenAIServer(InProcessClient(engine, metrics or ServerMetrics()), model_name, **options)
 
     server = run(make())
     try:
@@ -99,7 +99,7 @@ def running_server(engine, model_name: str = "tiny", metrics: ServerMetrics | No
         yield Running(server, f"http://127.0.0.1:{port}")
     finally:
         run(server.stop())
-        server.engine_loop.stop()  # also when start failed
+        server.engine_client.stop()  # also when start failed
         event_loop.call_soon_threadsafe(event_loop.stop)
         thread.join(10)
         event_loop.close()
@@ -127,30 +127,30 @@ def mirror_until_stopped(engine) -> None:
     assert not errors, errors
 
 
-def wait_idle(engine_loop: EngineLoop, timeout: float = HANG_GUARD_S) -> None:
+def wait_idle(engine_client: InProcessClient, timeout: float = HANG_GUARD_S) -> None:
     """Wait until the engine has no unfinished request, then check that every KV block is free
     and every request was forgotten (popped). Requests submitted before the call count: a call
     runs while the engine thread takes its commands, before it adds the requests taken with it,
     so a first call only lets them reach the engine."""
-    engine_loop.call(lambda e: None)
+    engine_client.call(lambda e: None)
     deadline = time.monotonic() + timeout
-    while engine_loop.call(lambda e: e.has_unfinished_requests()):
+    while engine_client.call(lambda e: e.has_unfinished_requests()):
         assert time.monotonic() < deadline, "the engine never became idle"
         time.sleep(0.05)
-    engine_loop.call(engine_cases.assert_no_block_leaks)
-    held = engine_loop.call(lambda e: sorted(e.request_ids()))
+    engine_client.call(engine_cases.assert_no_block_leaks)
+    held = engine_client.call(lambda e: sorted(e.request_ids()))
     assert not held, f"the server left requests {held} in the engine"
 
 
 @contextlib.contextmanager
-def held_steps(engine_loop: EngineLoop, hold: Callable[[], bool], timeout: float = HANG_GUARD_S):
+def held_steps(engine_client: InProcessClient, hold: Callable[[], bool], timeout: float = HANG_GUARD_S):
     """Inside, the engine takes no step while ``hold()`` is true: it is polled on the engine
     thread before each step, and a held step does nothing (adds, aborts and calls still run
     between them; a step with no unfinished request, which only reads back the step in flight
     of what was aborted, is never held). A test thereby makes the engine wait for its client,
     however the threads are scheduled. Yields a list that gets a message when one hold outlasts
     ``timeout`` seconds (a hang guard: the engine then steps freely); a test asserts it empty."""
-    engine = engine_loop.engine
+    engine = engine_client.engine
     real_step, gave_up, since = engine.step, [], [None]
 
     def step():
@@ -170,13 +170,13 @@ def held_steps(engine_loop: EngineLoop, hold: Callable[[], bool], timeout: float
         del engine.step
 
 
-def posted_text(engine_loop: EngineLoop) -> int:
+def posted_text(engine_client: InProcessClient) -> int:
     """(Engine thread.) Characters of text the engine has posted to the streams still running."""
-    return sum(stream.text_length for stream in engine_loop._streams.values())
+    return sum(stream.text_length for stream in engine_client._streams.values())
 
 
 @contextlib.contextmanager
-def paused_until(engine_loop: EngineLoop, condition: Callable[[], bool], timeout: float = HANG_GUARD_S):
+def paused_until(engine_client: InProcessClient, condition: Callable[[], bool], timeout: float = HANG_GUARD_S):
     """Inside, the engine thread stops before it takes its next commands until ``condition()``
     holds (polled): requests submitted meanwhile queue, and start together once it does, however
     the HTTP thread is scheduled. Yields a list that gets a message if ``timeout`` seconds pass
@@ -193,7 +193,7 @@ def paused_until(engine_loop: EngineLoop, condition: Callable[[], bool], timeout
                 return
             time.sleep(0.005)
 
-    waiter = threading.Thread(target=engine_loop.call, args=(pause, 2 * timeout), daemon=True)
+    waiter = threading.Thread(target=engine_client.call, args=(pause, 2 * timeout), daemon=True)
     waiter.start()
     assert paused.wait(timeout), "the engine loop never ran the pause"
     try:
@@ -493,7 +493,10 @@ def start_server_process(command: list[str], timeout: float = 120.0) -> ServerPr
 
 def stop_server_process(server: ServerProcess, sig: int, pid: int | None = None, timeout: float = 60.0) -> int:
     """Send ``sig`` to ``pid`` (default: the process started) and return the exit code; kill the
-    whole process group and fail when it does not exit within ``timeout``."""
+    whole process group and fail when it does not exit within ``timeout``. A process that has
+    already exited gets no signal: its exit code is returned."""
+    if server.process.poll() is not None:
+        return server.process.returncode
     os.kill(server.process.pid if pid is None else pid, sig)
     try:
         return server.process.wait(timeout)

@@ -46,20 +46,20 @@ class AttackFirst:
     right after the attack's thread starts, so its request could otherwise reach the engine first
     and first come, first served would pass.)"""
 
-    def __init__(self, engine_loop, is_attack, size: int):
-        self.engine_loop, self.is_attack, self.size = engine_loop, is_attack, size
-        self.submit = engine_loop.submit
+    def __init__(self, engine_client, is_attack, size: int):
+        self.engine_client, self.is_attack, self.size = engine_client, is_attack, size
+        self.submit = engine_client.submit
         self.held: list | None = None  # None: not armed
         self.num_attack_streams = 0
 
     def arm(self) -> None:
         self.held, self.num_attack_streams = [], 0
-        self.engine_loop.submit = self._submit
+        self.engine_client.submit = self._submit
 
     def release(self) -> None:
         """Submit what waits and let everything through (the attack is in, or was refused)."""
         if self.held is not None:
-            del self.engine_loop.submit  # the class's submit again
+            del self.engine_client.submit  # the class's submit again
             held, self.held = self.held, None
             for stream in held:
                 self.submit(stream)
@@ -124,10 +124,10 @@ def check_flood_answer(status: int, answer: dict) -> None:
 def test_a_request_of_1024_sequences_does_not_hold_a_witness(served):
     """The 1,024-sequence request enters first; the witness's first chunk, and every later one,
     comes within its bound (under first come, first served it waits for all 1,024 to start)."""
-    door = AttackFirst(served.engine_loop, lambda s: s.params.max_tokens == FLOOD_MAX_TOKENS, FLOOD_PROMPTS * N)
+    door = AttackFirst(served.engine_client, lambda s: s.params.max_tokens == FLOOD_MAX_TOKENS, FLOOD_PROMPTS * N)
     witness = WitnessBehind(served.url, max_tokens=64, source=WITNESS, door=door)
     check_flood_answer(*witness.beside(flood(served.url, door), first=True))
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_a_small_request_beside_1024_sequences_gets_its_first_token_within_10_s(served):
@@ -136,8 +136,8 @@ def test_a_small_request_beside_1024_sequences_gets_its_first_token_within_10_s(
     results: list = []
     attack = threading.Thread(target=lambda: results.append(flood(served.url)()), daemon=True)
     attack.start()
-    engine_loop, deadline = served.engine_loop, time.monotonic() + HANG_GUARD_S
-    while engine_loop.call(lambda e: len(e.request_ids())) < FLOOD_PROMPTS * N - 64:
+    engine_client, deadline = served.engine_client, time.monotonic() + HANG_GUARD_S
+    while engine_client.call(lambda e: len(e.request_ids())) < FLOOD_PROMPTS * N - 64:
         assert time.monotonic() < deadline and attack.is_alive(), "the flood never reached the engine"
         time.sleep(0.01)
     connection = connect(served.url, SMALL_CLIENT)
@@ -149,7 +149,7 @@ def test_a_small_request_beside_1024_sequences_gets_its_first_token_within_10_s(
         assert response.status == 200
         first = next(line for line in response if line.startswith(b"data: {"))
         first_token_s = time.monotonic() - start
-        unfinished = engine_loop.call(lambda e: len(e.request_ids()))
+        unfinished = engine_client.call(lambda e: len(e.request_ids()))
         assert json.loads(first[6:])["choices"][0]["text"]
         response.read()
     finally:
@@ -161,7 +161,7 @@ def test_a_small_request_beside_1024_sequences_gets_its_first_token_within_10_s(
     assert unfinished >= FLOOD_PROMPTS * N // 2, (
         f"only {unfinished} of the flood's {FLOOD_PROMPTS * N} sequences were unfinished at the small request's "
         "first token: it waited for the flood to start")
-    wait_idle(engine_loop)
+    wait_idle(engine_client)
 
 
 def test_eight_unread_streams_do_not_hold_a_witness(served):
@@ -177,13 +177,13 @@ def test_eight_unread_streams_do_not_hold_a_witness(served):
             connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         return connections  # never read
 
-    door = AttackFirst(served.engine_loop, lambda s: s.params.max_tokens == UNREAD_MAX_TOKENS, UNREAD_STREAMS * N)
+    door = AttackFirst(served.engine_client, lambda s: s.params.max_tokens == UNREAD_MAX_TOKENS, UNREAD_STREAMS * N)
     witness = WitnessBehind(served.url, max_tokens=64, source=WITNESS, door=door)
     connections = witness.beside(unread, first=True)
-    unfinished = served.engine_loop.call(lambda e: len(e.request_ids()))
+    unfinished = served.engine_client.call(lambda e: len(e.request_ids()))
     assert unfinished >= UNREAD_STREAMS * N // 4, (
         f"only {unfinished} of the unread streams' {UNREAD_STREAMS * N} sequences were unfinished once the witness "
         "was done: it waited for them to start")
     for connection in connections:
         connection.close()
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)

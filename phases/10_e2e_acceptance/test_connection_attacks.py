@@ -226,7 +226,7 @@ def test_gzip_bombs_are_refused_under_the_cap_off_the_event_loop(served, keyed, 
             assert status == expected, (status, raw[:200])
             assert_error_object(raw, code="invalid_api_key" if status == 401 else "request_entity_too_large")
             assert refused in (None, True), "the server read the rest of a body it had refused (drained it)"
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def post(url: str, body: bytes, headers: dict, source: str = "127.0.0.1") -> http.client.HTTPResponse:
@@ -261,7 +261,7 @@ def test_compressed_bodies_are_inflated_and_other_codings_refused(served, bomb):
         got = answer(sock)
         assert got.status == 413 and got.getheader("Connection") == "close", (got.status, got.body[:200])
         assert takes_no_more(sock, bytes(9 << 20)), "the server read the rest of a body it had refused"
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_slow_and_idle_connections_are_closed_by_their_deadlines(served, witness):
@@ -302,7 +302,7 @@ def test_slow_and_idle_connections_are_closed_by_their_deadlines(served, witness
                        (reads[4], b"--header-timeout"), (reads[7], b"--body-timeout")]:
         assert read.startswith(b"HTTP/1.1 408 "), read[:200]
         assert b"connection: close" in read.lower() and flag in read, read[:300]
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_a_client_address_has_a_cap_of_open_connections(keyed):
@@ -385,7 +385,7 @@ def test_tls_serves_keep_alive_streams_and_closes_a_stalled_handshake(model, tmp
         connection.close()
         with connect(f"https://{host}:{port}") as sock:
             assert closed(sock) == b""  # never sent its ClientHello
-        wait_idle(running.engine_loop)
+        wait_idle(running.engine_client)
 
 
 def test_the_file_descriptor_budget_refuses_connections_and_keeps_serving(model):

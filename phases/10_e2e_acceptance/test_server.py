@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.llm_engine import LLMEngine, load_tokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.core.tokenizer import load_tokenizer
 from engine.scheduling.sequence import SamplingParams
 from server_cases import (
     HANG_GUARD_S,
@@ -65,7 +66,7 @@ def client(served):
     # reads outlast the engine's hang guard, so a held-back stream fails on what the engine saw
     with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=2 * HANG_GUARD_S) as c:
         yield c
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_completions_json_and_health(served, client, oracle):
@@ -130,7 +131,7 @@ def _in_step_with_the_engine(served, create) -> list:
     server that holds text back leaves the engine waiting (the hang guard fails the test). For
     requests without stop strings (their hold-back keeps posted text back by design)."""
     received = [0]
-    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+    with held_steps(served.engine_client, lambda: received[0] < posted_text(served.engine_client)) as gave_up:
         chunks = []
         for chunk in create():
             chunks.append(chunk)
@@ -187,12 +188,12 @@ def test_streamed_text_leaves_before_the_request_finishes(served, client, oracle
         for chunk in stream:
             piece = "".join(_choice_text(choice) for choice in chunk.choices)
             if piece and not pieces:  # asked before the engine may take another step
-                unfinished_at_first_text.append(served.engine_loop.call(lambda e: e.has_unfinished_requests()))
+                unfinished_at_first_text.append(served.engine_client.call(lambda e: e.has_unfinished_requests()))
             pieces.append(piece)
             received[0] += len(piece)
         return pieces
 
-    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+    with held_steps(served.engine_client, lambda: received[0] < posted_text(served.engine_client)) as gave_up:
         pieces = read(client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
                                                 **GREEDY))
     assert unfinished_at_first_text == [True], "the first text left with the finish, not before it"
@@ -200,7 +201,7 @@ def test_streamed_text_leaves_before_the_request_finishes(served, client, oracle
     assert "".join(pieces) == text
 
     late = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
-    wait_idle(served.engine_loop)  # the engine finished (and forgot) the request before any read
+    wait_idle(served.engine_client)  # the engine finished (and forgot) the request before any read
     joined, _, finishes, _ = _stream_text(late)
     assert joined == text and finishes[-1] == "length" and not any(finishes[:-1])
 
@@ -243,7 +244,7 @@ def test_chat_without_template_is_a_400(tmp_path):
             assert e.value.code == "no_chat_template" and "chat template" in e.value.message
             done = client.completions.create(model="plain", prompt="the", max_tokens=2, **GREEDY)
             assert done.usage.completion_tokens == 2
-        wait_idle(running.engine_loop)
+        wait_idle(running.engine_client)
 
 
 def test_concurrent_requests_match_sequential(served, client, oracle):
@@ -263,11 +264,11 @@ def test_concurrent_requests_match_sequential(served, client, oracle):
         async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as aclient:
             return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, max_tokens)))
 
-    steps_before = served.engine_loop.call(lambda e: e.num_steps)
-    with paused_until(served.engine_loop, lambda: served.engine_loop.num_streams >= len(prompts)) as gave_up:
+    steps_before = served.engine_client.call(lambda e: e.num_steps)
+    with paused_until(served.engine_client, lambda: served.engine_client.num_streams >= len(prompts)) as gave_up:
         assert asyncio.run(all_at_once()) == expected
     assert not gave_up, gave_up[0]
-    steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
+    steps = served.engine_client.call(lambda e: e.num_steps) - steps_before
     assert steps < sum(max_tokens) // 3, f"{steps} engine steps for {sum(max_tokens)} tokens: not batched"
 
 
@@ -389,22 +390,22 @@ def test_client_disconnect_aborts_its_request(served, client, monkeypatch):
     blocks are free once the engine is idle; other requests go on. The engine steps only once
     the client has the text posted so far, so it cannot run ahead of the client (however the
     threads are scheduled): after the client leaves, only the abort lets it go on."""
-    engine = served.engine_loop.engine
+    engine = served.engine_client.engine
     aborted = []
     real_abort = engine.abort_request
     monkeypatch.setattr(engine, "abort_request", lambda rid: aborted.append(real_abort(rid)) or aborted[-1])
-    steps_before = served.engine_loop.call(lambda e: e.num_steps)
+    steps_before = served.engine_client.call(lambda e: e.num_steps)
     received = [0]
-    with held_steps(served.engine_loop, lambda: received[0] < posted_text(served.engine_loop)) as gave_up:
+    with held_steps(served.engine_client, lambda: received[0] < posted_text(served.engine_client)) as gave_up:
         stream = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=100, stream=True, **GREEDY)
         for _, chunk in zip(range(3), stream):
             assert chunk.choices
             received[0] += len(chunk.choices[0].text)
         stream.close()
-        wait_idle(served.engine_loop)
+        wait_idle(served.engine_client)
     assert not gave_up, gave_up[0]
     assert aborted == [True]
-    steps = served.engine_loop.call(lambda e: e.num_steps) - steps_before
+    steps = served.engine_client.call(lambda e: e.num_steps) - steps_before
     assert steps < 50, f"the request ran {steps} steps after its client left"
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2, **GREEDY).usage.completion_tokens == 2
 
@@ -413,7 +414,7 @@ def test_engine_error_fails_only_the_failed_step(served, client, monkeypatch):
     """A forward that raises fails the requests of that step (every running request is in it)
     with a 500 error object naming the error; the engine frees their blocks and keeps serving
     the requests that come after."""
-    engine = served.engine_loop.engine
+    engine = served.engine_client.engine
     poison = 17
     real_launch = engine.runner.launch
 
@@ -427,8 +428,8 @@ def test_engine_error_fails_only_the_failed_step(served, client, monkeypatch):
         client.completions.create(model="tiny", prompt=[poison, 3, 4], max_tokens=5)
     assert http(served.url + "/health")[0] == 200
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2, **GREEDY).usage.completion_tokens == 2
-    wait_idle(served.engine_loop)
-    assert served.engine_loop.call(lambda e: e.block_manager.num_free_blocks == e.block_manager.num_blocks)
+    wait_idle(served.engine_client)
+    assert served.engine_client.call(lambda e: e.block_manager.num_free_blocks == e.block_manager.num_blocks)
 
 
 def test_a_failed_step_is_fatal_under_tensor_parallelism():

@@ -99,7 +99,7 @@ def test_list_attacks_are_refused_at_their_caps_beside_a_good_stream(served, wit
     assert refused(served, url, {"prompt": ["x"] * 3, "n": 11}, "n")["message"].endswith(
         "(serve --max-sequences-per-request)")  # 4 x max_num_seqs by default
     assert http(served.url + url, {"prompt": ["x"] * 2, "n": 16, "max_tokens": 1})[0] == 200
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_a_huge_prompt_is_read_off_the_event_loop(served, witness):
@@ -119,7 +119,7 @@ def test_a_huge_prompt_is_read_off_the_event_loop(served, witness):
     raw = json.dumps({"prompt": ("def f(x):\n    return x + 1\n" * (bound // 27 + 1))[:bound]}).encode()
     error = witness.beside(lambda: refused(served, "/v1/completions", raw, "prompt"))
     assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"], error
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_malformed_bodies_are_400s_never_500s(served, witness):
@@ -138,7 +138,7 @@ def test_malformed_bodies_are_400s_never_500s(served, witness):
         refused(served, "/v1/completions", {"prompt": "x"}, None, status=415, headers={"Content-Type": content_type})
     assert post(served.url + "/v1/completions", {"prompt": "x", "max_tokens": 1},
                 {"Content-Type": "application/json; charset=utf-8"})[0] == 200
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 MALFORMED_CASES = [  # (route, a good body, the fields a client may have left out)
@@ -164,7 +164,7 @@ def test_every_malformed_value_is_a_4xx_naming_the_clients_field(served, witness
     refused = witness.beside(lambda: [assert_malformed_refused(served.url, route, body, required)
                                       for route, body, required in MALFORMED_CASES])
     assert all(refused), refused
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_costly_requests_stop_when_their_clients_go(served, witness):
@@ -188,7 +188,7 @@ def test_costly_requests_stop_when_their_clients_go(served, witness):
     assert witness.beside(attack) <= 3.0
     error = refused(served, "/v1/chat/completions", raw, "messages")
     assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"], error
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_the_reading_of_a_request_stops_once_its_client_has_gone(served, monkeypatch):
@@ -247,6 +247,6 @@ def test_the_server_is_idle_after_the_attacks(served, witness):
     """After every attack of the module: the witness still gets its text without a stall,
     /health answers, the engine holds no request, /metrics shows nothing running or waiting."""
     witness.beside(lambda: http(served.url + "/health")[0])
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
     values = metrics(served.url)
     assert values["agent_infer:num_requests_running"] == 0 and values["agent_infer:num_requests_waiting"] == 0

@@ -51,7 +51,7 @@ def served(model_dir):
 def client(served):
     with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
         yield c
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 async def post_all(url: str, bodies: list, concurrency: int = 16) -> list[tuple[int, bytes]]:
@@ -182,9 +182,9 @@ def test_metrics_and_logs(served, client, caplog):
     and generation tokens and the TTFT / ITL / E2E histograms; a finished request logs one line
     with its token counts and finish reason, and a busy loop logs stats lines."""
     before = metrics(served.url)
-    with caplog.at_level(logging.INFO, logger="engine.entrypoints.server"):
+    with caplog.at_level(logging.INFO, logger="engine"):  # the client's request lines, the server's stats
         out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=7, **GREEDY)
-        wait_idle(served.engine_loop)
+        wait_idle(served.engine_client)
     after = metrics(served.url)
     for name in ("agent_infer:num_requests_running", "agent_infer:num_requests_waiting",
                  "agent_infer:kv_cache_usage_perc", "agent_infer:prefix_cache_queries_total",
@@ -259,7 +259,7 @@ def test_bounded_load_leaves_the_engine_idle_and_unchanged(served, client):
     expected = {"malformed": 400, "too-long": 400}
     for kind, status, _ in results:
         assert status == expected.get(kind, 200), (kind, status)
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
     after = metrics(served.url)
     assert after["agent_infer:num_requests_running"] == after["agent_infer:num_requests_waiting"] == 0
     assert after["agent_infer:kv_cache_usage_perc"] == 0
@@ -285,7 +285,7 @@ def test_a_client_that_never_reads_does_not_stall_the_others(served, client, ora
         assert [json.loads(raw)["choices"][0]["text"] for _, raw in answers] == expected * 3
     finally:
         silent.close()
-    wait_idle(served.engine_loop)
+    wait_idle(served.engine_client)
 
 
 def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model_dir):
@@ -311,7 +311,7 @@ def test_benchmark_and_eval_client_payloads_work_unchanged(served, client, model
         answer = json.loads(raw)
         assert len(answer["choices"]) == (len(body["prompt"]) if isinstance(body["prompt"], list) else 1)
         assert all(c["text"] for c in answer["choices"])
-    tokenizer = served.engine_loop.engine.tokenizer
+    tokenizer = served.engine_client.engine.tokenizer
     prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -344,7 +344,7 @@ def test_echo_streams_the_prompt_first_and_prompt_logprobs_follow_vllm(served, m
     log-softmax of the prompt."""
     import transformers
 
-    tokenizer = served.engine_loop.engine.tokenizer
+    tokenizer = served.engine_client.engine.tokenizer
     prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
     body = {"model": "tiny", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 3, "logprobs": 0, "echo": True,
             "prompt_logprobs": 2, "ignore_eos": True}

@@ -63,11 +63,11 @@ def test_tp_server_ranks_stay_in_step(tp_group, tp_device, model_dir, monkeypatc
     if tp_group.rank == 0:
         with running_server(engine) as running:
             def all_submitted():  # every client's request, the leaver's too
-                return running.engine_loop.num_streams >= len(lengths) + 1
+                return running.engine_client.num_streams >= len(lengths) + 1
 
-            with paused_until(running.engine_loop, all_submitted, PAUSE_S) as gave_up:
+            with paused_until(running.engine_client, all_submitted, PAUSE_S) as gave_up:
                 got = asyncio.run(_clients(running.url, lengths))
-            wait_idle(running.engine_loop)
+            wait_idle(running.engine_client)
         assert not gave_up, gave_up[0]
         assert got == expected
     else:
@@ -113,15 +113,15 @@ def test_workers_exit_when_rank0_stops(tp_group, tp_device, model_dir):
             def fail():
                 raise RuntimeError("injected failure on rank 0")
 
-            running.engine_loop.take_commands = fail  # the next iteration fails
+            running.engine_client.core.take_commands = fail  # the next iteration fails
             with openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0,
                                timeout=STOP_TIMEOUT_S) as client:
                 with pytest.raises(openai.APIStatusError) as e:
                     client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=50, **GREEDY)
             assert e.value.status_code == 503
-            assert isinstance(running.engine_loop.failure, RuntimeError)
-            running.engine_loop.join(STOP_TIMEOUT_S)
-            assert not running.engine_loop.alive
+            assert isinstance(running.engine_client.failure, RuntimeError)
+            running.engine_client.join(STOP_TIMEOUT_S)
+            assert not running.engine_client.alive
             deadline = time.monotonic() + HANG_GUARD_S  # on_exit only queues done.set on the HTTP loop
             while not running.server.done.is_set() and time.monotonic() < deadline:
                 time.sleep(0.05)

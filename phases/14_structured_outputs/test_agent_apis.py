@@ -71,7 +71,7 @@ def client(served):
     with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
                        timeout=2 * server_cases.HANG_GUARD_S) as c:
         yield c
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def claude(served):
     with anthropic.Anthropic(base_url=served.url, api_key="none", max_retries=0,
                              timeout=2 * server_cases.HANG_GUARD_S) as c:
         yield c
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 def conversation(instructions: str | None = INSTRUCTIONS) -> list[dict]:

@@ -44,6 +44,6 @@ def test_tp_server_answers_responses_and_messages_with_the_single_process_text(t
         with anthropic.Anthropic(base_url=running.url, api_key="none", max_retries=0) as claude:
             message = claude.messages.create(model="tiny", system=MESSAGES[0]["content"], max_tokens=MAX_TOKENS,
                                              messages=[MESSAGES[1]], extra_body={"temperature": 0})
-        server_cases.wait_idle(running.engine_loop)
+        server_cases.wait_idle(running.engine_client)
     assert response.output_text == expected
     assert "".join(b.text for b in message.content) == expected

@@ -80,7 +80,7 @@ def test_tool_attacks_are_refused_at_their_caps_beside_a_good_stream(served, wit
     status, body = witness.beside(lambda: post(served.url, ask(response_format={
         "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})))
     assert status == 400, body
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 def slow_schema(i: int) -> dict:
@@ -114,7 +114,7 @@ def test_slow_grammars_cannot_starve_another_clients_schema(served, witness):
         assert status == 400 and body["error"]["param"].startswith("response_format"), body
     assert good[0] == 200, good
     jsonschema.validate(json.loads(good[1]["choices"][0]["message"]["content"]), small)
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 PARAMETERS = TOOLS[0]["function"]["parameters"]
@@ -162,7 +162,7 @@ def test_every_malformed_value_is_a_4xx_in_the_routes_shape_naming_the_clients_f
                 for route, body, required, anthropic in cases]
 
     assert all(witness.beside(attack))
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 def test_a_failure_of_the_server_is_a_500_in_the_routes_shape(served, monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.core.engine_config import DEFAULT_MODEL_DIR
-from engine.core.llm_engine import load_tokenizer
 from engine.core.sampling_defaults import OPENAI, sampling_defaults
+from engine.core.tokenizer import load_tokenizer
 from engine.entrypoints.server.openai_types import ChatRequest, CompletionRequest, TokenizeRequest
 from engine.entrypoints.server.protocol import OpenAIProtocol
 from engine.entrypoints.server.request_body import APIError

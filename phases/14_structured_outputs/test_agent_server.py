@@ -20,7 +20,8 @@ import pytest
 
 from agent_cases import HISTORY, TOOLS, TOOLS_TEMPLATE
 from engine.core.engine_config import DEFAULT_MODEL_DIR
-from engine.core.llm_engine import LLMEngine, load_tokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.core.tokenizer import load_tokenizer
 from engine.entrypoints.server.tool_parsers import tool_parser
 from engine.scheduling.sequence import SamplingParams
 from phases.checkpoints import make_tiny_checkpoint
@@ -87,7 +88,7 @@ def word_served(word_model):
 def word_client(word_served):
     with openai_client(word_served.url) as c:
         yield c
-    server_cases.wait_idle(word_served.engine_loop)
+    server_cases.wait_idle(word_served.engine_client)
 
 
 def openai_client(url: str, api_key: str = "none"):
@@ -99,7 +100,7 @@ def openai_client(url: str, api_key: str = "none"):
 def client(served):
     with openai_client(served.url) as c:
         yield c
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 def completion_text(client, prompt: str | list[int], max_tokens: int, **fields) -> str:
@@ -188,7 +189,7 @@ def test_reasoning_is_split_off_whole_and_streamed(agent_model, tokenizer):
                                                  extra_body=off)
             assert (out.choices[0].message.content, out.choices[0].message.model_extra.get("reasoning_content")) == (
                 text, None)
-        server_cases.wait_idle(running.engine_loop)
+        server_cases.wait_idle(running.engine_client)
 
 
 def test_include_stop_str_in_output_ends_the_text_with_it(served, client):

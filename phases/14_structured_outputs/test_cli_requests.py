@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from agent_cases import TOOLS_TEMPLATE
-from engine.core.llm_engine import LLMEngine, load_tokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.core.tokenizer import load_tokenizer
 from engine.entrypoints.server import anthropic, responses
 from engine.entrypoints.server.anthropic_types import MessagesRequest
 from engine.entrypoints.server.protocol import OpenAIProtocol
@@ -269,14 +270,14 @@ def test_a_mid_conversation_system_turn_renders_where_it_stands_or_folds_into_a_
     system = next(m["content"] for m in body["messages"] if m["role"] == "system")
     asked = {**body, "max_tokens": 8}
     anywhere = messages_protocol(tokenizer, TOOLS_TEMPLATE)
-    prompt = rendered(tokenizer, anthropic.parse(validated(MessagesRequest, asked, anywhere.limits),
-                                                            anywhere))
+    prompt = rendered(tokenizer, anthropic.parse(anywhere, validated(MessagesRequest, asked,
+                                                                                anywhere.limits)))
     user_turn = prompt.index("run pwd with Bash, then say hi<|im_end|>")
     assert prompt.index(f"<|im_start|>system\n{system}<|im_end|>") > user_turn
     assert anthropic.renders_system_anywhere(tokenizer, TOOLS_TEMPLATE)
     assert not anthropic.renders_system_anywhere(tokenizer, refusing)
     first_only = messages_protocol(tokenizer, refusing)
-    prompt = rendered(tokenizer, anthropic.parse(validated(MessagesRequest, asked, first_only.limits), first_only))
+    prompt = rendered(tokenizer, anthropic.parse(first_only, validated(MessagesRequest, asked, first_only.limits)))
     assert f"<|im_start|>system\n{system}" not in prompt
     assert f"run pwd with Bash, then say hi\n\n{system}<|im_end|>" in prompt
     assert prompt.index("<|im_start|>assistant\n<tool_call>") > prompt.index(system)
@@ -291,7 +292,7 @@ def test_codex_tools_reach_the_template_flattened_and_hosted_ones_dropped(tokeni
     call.update(name="close_agent", namespace="multi_agent_v1")  # the shape Codex 0.171.0 sends back
     protocol = OpenAIProtocol(tokenizer, SERVED_NAME, CONTEXT, 8192, tool_call_parser="hermes",
                               chat_template=TOOLS_TEMPLATE)
-    gen, _, names = responses.parse(validated(ResponsesRequest, request, protocol.limits), protocol)
+    gen, _, names = responses.parse(protocol, validated(ResponsesRequest, request, protocol.limits))
     prompt = rendered(tokenizer, gen)
     assert names["multi_agent_v1__close_agent"] == ("multi_agent_v1", "close_agent")
     assert '"name": "multi_agent_v1__spawn_agent", "description": "Tools for spawning and managing sub-agents.' \
@@ -299,6 +300,6 @@ def test_codex_tools_reach_the_template_flattened_and_hosted_ones_dropped(tokeni
     assert '"type": "web_search"' not in prompt and '"name": "exec_command"' in prompt
     assert '<tool_call>\n{"name": "multi_agent_v1__close_agent"' in prompt
     with pytest.raises(APIError) as refused:
-        responses.parse(validated(ResponsesRequest, {**request, "tool_choice": {"type": "web_search_preview"}},
-                                  protocol.limits), protocol)
+        hosted = {**request, "tool_choice": {"type": "web_search_preview"}}
+        responses.parse(protocol, validated(ResponsesRequest, hosted, protocol.limits))
     assert refused.value.param == "tool_choice"

@@ -22,7 +22,7 @@ import torch
 import xgrammar as xgr
 
 from engine.core.engine_config import DEFAULT_MODEL_DIR
-from engine.core.llm_engine import load_tokenizer
+from engine.core.tokenizer import load_tokenizer
 from engine.scheduling.structured.compiler import GrammarBusy, MiB, _Refused
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 from grammar_cases import VOCAB, counted_compilers, schema_spec, slow_spec

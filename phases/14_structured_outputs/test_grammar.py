@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine.core.engine_config import DEFAULT_MODEL_DIR
-from engine.core.llm_engine import load_tokenizer
+from engine.core.tokenizer import load_tokenizer
 from engine.scheduling.structured.compiler import GrammarCompiler
 from engine.scheduling.structured.matchers import GrammarMatchers, apply_bitmask
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec, spec_from_request

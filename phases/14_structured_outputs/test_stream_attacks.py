@@ -46,7 +46,7 @@ def witness(served):
 @pytest.fixture(scope="module")
 def tokens(served) -> dict[str, int]:
     """The byte-level tokenizer's longest all-space token (51 spaces) and its ``a``."""
-    tokenizer = served.engine_loop.engine.tokenizer
+    tokenizer = served.engine_client.engine.tokenizer
     texts = {i: tokenizer.decode([i]) for i in range(8192)}
     spaces = max((i for i, t in texts.items() if t and set(t) == {" "}), key=lambda i: len(texts[i]))
     assert len(texts[spaces]) >= 32, texts[spaces]
@@ -111,7 +111,7 @@ def test_a_whitespace_stream_costs_what_a_letter_stream_costs(served, witness, t
     assert streamed == whole
     assert whole["content"] and not whole["content"].strip(" ") and len(whole["content"]) >= 32 * MAX_TOKENS
     assert (whole["reasoning_content"], whole["tool_calls"], whole["finish_reason"]) == (None, [], "length")
-    server_cases.wait_idle(served.engine_loop)
+    server_cases.wait_idle(served.engine_client)
 
 
 def test_whole_parses_of_a_long_whitespace_answer_finish_at_once():

@@ -343,7 +343,7 @@ def run_structured(url: str, prompts, output_lens, request_rate: float, max_conc
     compiled over the served model's tokenizer (``--tokenizer`` for a preset)."""
     import asyncio
 
-    from engine.core.llm_engine import load_tokenizer
+    from engine.core.tokenizer import load_tokenizer
     from engine.entrypoints.bench import structured
     from engine.entrypoints.bench.serve import wait_healthy
 

@@ -9,6 +9,7 @@ identical values without writing a checkpoint."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import tempfile
@@ -154,12 +155,10 @@ def weights_instead_of_checkpoint(tensors_for):
     """While inside, a ModelRunner fills its model from ``tensors_for(model)`` (an iterable of
     checkpoint-named tensors, loaded by ``load_weights``) instead of reading safetensors.
     ModelRunner has no weights hook; this swaps the one name it loads through."""
-    from engine.model.weight_loading import load_weights
     from engine.worker import model_runner
 
     real = model_runner.load_checkpoint
-    model_runner.load_checkpoint = lambda model, _dir, progress=False: load_weights(
-        model, tensors_for(model), progress=progress)
+    model_runner.load_checkpoint = _loader(tensors_for)
     try:
         yield
     finally:
@@ -172,14 +171,29 @@ def random_weights_args(args: argparse.Namespace):
     tokenizer of ``args.tokenizer``, when given), and every ModelRunner built filling its model
     with the preset's random weights (``args.seed``)."""
     preset = PRESETS[args.preset]
-
-    def tensors_for(model):
-        param = next(model.parameters())
-        return random_checkpoint(preset, args.seed, param.device, param.dtype)
-
     with preset_model_dir(preset, getattr(args, "tokenizer", None)) as model_dir, \
-            weights_instead_of_checkpoint(tensors_for):
+            weights_instead_of_checkpoint(functools.partial(_random_tensors, preset, args.seed)):
         yield argparse.Namespace(**{**vars(args), "model": str(model_dir)})
+
+
+def _random_tensors(preset: dict, seed: int, model):
+    param = next(model.parameters())
+    return random_checkpoint(preset, seed, param.device, param.dtype)
+
+
+def _loader(tensors_for):
+    """A stand-in for ``load_checkpoint`` that loads ``tensors_for(model)`` instead."""
+    from engine.model.weight_loading import load_weights
+
+    return lambda model, _dir, progress=False: load_weights(model, tensors_for(model), progress=progress)
+
+
+def use_random_weights(preset_name: str, seed: int) -> None:
+    """From now on in this process, every ModelRunner fills its model with ``preset_name`` 's random
+    weights (``seed``): what an engine core process of a preset's server runs before its engine."""
+    from engine.worker import model_runner
+
+    model_runner.load_checkpoint = _loader(functools.partial(_random_tensors, PRESETS[preset_name], seed))
 
 
 @contextmanager

@@ -4,9 +4,10 @@ serve`` for a preset with random weights made on the device (no checkpoint), the
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
-from engine.entrypoints.bench.models import PRESETS, random_weights_args
+from engine.entrypoints.bench.models import PRESETS, random_weights_args, use_random_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     args.served_model_name = args.served_model_name or args.preset
     with random_weights_args(args) as preset_args:
-        return serve(preset_args)
+        return serve(preset_args, core_setup=functools.partial(use_random_weights, args.preset, args.seed))
 
 
 if __name__ == "__main__":

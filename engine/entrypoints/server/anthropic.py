@@ -252,14 +252,14 @@ def context_error(e: ContextLengthExceeded) -> APIError:
     return APIError(e.status, message, param=e.param, code=e.code)
 
 
-def parse(req: MessagesRequest, protocol: OpenAIProtocol) -> GenerationRequest:
+def parse(protocol: OpenAIProtocol, req: MessagesRequest) -> GenerationRequest:
     """(Worker thread.) The request as the engine runs it."""
     if req.max_tokens is None:
         raise APIError(400, "'max_tokens' is required", param="max_tokens")
     return _chat(req, protocol)
 
 
-def count(req: MessagesRequest, protocol: OpenAIProtocol) -> int:
+def count(protocol: OpenAIProtocol, req: MessagesRequest) -> int:
     """(Worker thread.) The input tokens of a count_tokens body: its prompt as the engine would run it."""
     return _chat(req.model_copy(update={"max_tokens": 1}), protocol).num_prompt_tokens
 
@@ -267,7 +267,7 @@ def count(req: MessagesRequest, protocol: OpenAIProtocol) -> int:
 async def create_message(server, request: web.Request) -> web.StreamResponse:
     """The route (``OpenAIServer.messages``); its errors are rendered in Anthropic's shape by the
     server's error middleware."""
-    gen = await server.parse(request, MessagesRequest, lambda req: parse(req, server.protocol))
+    gen = await server.parse(request, MessagesRequest, parse)
     generation = await server.generation(request, gen)
     message = Message(server.protocol.model_name)
     try:
@@ -284,8 +284,7 @@ async def create_message(server, request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(server, request: web.Request) -> web.Response:
     """The route (``OpenAIServer.count_tokens``)."""
-    return web.json_response({"input_tokens": await server.parse(request, MessagesRequest,
-                                                                 lambda req: count(req, server.protocol))})
+    return web.json_response({"input_tokens": await server.parse(request, MessagesRequest, count)})
 
 
 class Message:

@@ -13,7 +13,9 @@ before it reaches the engine.
 
 The event loop only reads bodies (at most ``--max-body-mib``) and moves bytes: inflating, parsing
 and typing a body, validating it, rendering the chat template and tokenizing run on a pool of
-request worker threads (``--request-workers``, default from the cores), each check linear in the
+request worker threads (``--request-workers``, default from the cores; bodies of ``LARGE_BODY_BYTES`` or
+more, or compressed, in half as many worker processes, so a small request never queues behind a flood
+of big ones and their parsing never holds this process's interpreter lock), each check linear in the
 request's size and every list capped where it enters (``RequestLimits``); a request's work stops
 when its client goes, and the engine admits waiting sequences round robin over clients, so no
 request can stall the others.
@@ -29,8 +31,13 @@ request (logged with its traceback), 503 while shutting down. Connections have d
 chat completion the whole room left, each capped by max_model_len. SIGTERM (or SIGINT) drains: new
 requests get 503, ``/health`` 503, in-flight ones finish for up to ``--shutdown-timeout`` seconds,
 then the rest end with an error. A second signal stops at once. An engine that keeps failing its
-steps ends the server (``engine_loop``: exit code 1, for a supervisor to restart it). Under
-torchrun rank 0 serves; every rank steps.
+steps, or an engine core that dies, ends the server (exit code 1, for a supervisor to restart it).
+
+``serve`` runs the engine in processes of its own (``engine.core.core_processes``: one engine core,
+or ``--data-parallel-size`` of them), so this process only speaks HTTP and its Python work never
+delays a step; the server reaches them through an ``EngineClient`` (tests and the phases pass an
+in-process one). Under torchrun rank 0 serves and its engine core leads the TP lock-step; every rank
+steps.
 """
 from __future__ import annotations
 
@@ -38,7 +45,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextvars
-import copy
 import dataclasses
 import gc
 import importlib.metadata
@@ -56,10 +62,12 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from engine.core.core_processes import CoreProcesses
 from engine.core.engine_args import EngineArgs
-from engine.core.llm_engine import LLMEngine
+from engine.core.engine_client import EngineClient
 from engine.core.lockstep import mirror_rank0
 from engine.core.output_processor import RequestOutput
+from engine.core.tokenizer import load_tokenizer
 from engine.entrypoints.server import anthropic, reasoning, responses
 from engine.entrypoints.server.access import (
     anthropic_error,
@@ -70,7 +78,6 @@ from engine.entrypoints.server.access import (
 from engine.entrypoints.server.body import inflate, read_body
 from engine.entrypoints.server.chat_output import ChatParsing, ChatStream
 from engine.entrypoints.server.connections import ConnectionLimits, Connections
-from engine.entrypoints.server.engine_loop import EngineLoop
 from engine.entrypoints.server.generation import Generation, client_of, sse_response
 from engine.entrypoints.server.metrics import ServerMetrics
 from engine.entrypoints.server.openai_types import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -84,10 +91,14 @@ from engine.entrypoints.server.request_body import (
     stop_if_client_gone,
 )
 from engine.entrypoints.server.request_model import Model, validated
+from engine.entrypoints.server.request_processes import RequestProcesses
 from engine.entrypoints.server.tool_parsers import tool_parser
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 
 log = logging.getLogger("engine.entrypoints.server")
+
+
+LARGE_BODY_BYTES = 64 << 10  # a body this big (or compressed) is read in a request worker process
 
 
 def default_request_workers() -> int:
@@ -97,7 +108,7 @@ def default_request_workers() -> int:
 
 
 class OpenAIServer:
-    """The HTTP front of an EngineLoop. ``await start(host, port)`` returns the bound port (0 picks
+    """The HTTP front of an EngineClient. ``await start(host, port)`` returns the bound port (0 picks
     a free one); ``await shutdown(timeout)`` drains; ``await stop()`` shuts HTTP and the engine
     loop down; ``done`` is set once the engine loop has ended.
 
@@ -106,35 +117,38 @@ class OpenAIServer:
     ``reasoning_parser`` (None: off), ``chat_template`` (replaces the tokenizer's), ``api_key``
     (None: open), ``allowed_origins`` (CORS; None: none) and ``ssl_files`` ((certfile, keyfile):
     HTTPS). Parser names given are checked here; the agent path runs only for what uses it.
-    ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests;
+    ``limits`` caps the lists a request may hold; ``request_workers`` threads parse requests (and half
+    as many processes the large ones);
     ``connection_limits`` are the connections' deadlines and caps (``connections``);
     ``keepalive_interval``: the seconds after which a silent Messages or Responses stream (queued,
     or prefilling a long prompt) gets a keep-alive event, so agents' stream watchdogs wait."""
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str, *, tool_call_parser: str | None = None,
+    def __init__(self, engine_client: EngineClient, model_name: str, *, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, chat_template: str | None = None, api_key: str | None = None,
                  allowed_origins: list[str] | None = None, ssl_files: tuple[str, str] | None = None,
                  limits: RequestLimits = RequestLimits(), request_workers: int | None = None,
                  connection_limits: ConnectionLimits = ConnectionLimits(), keepalive_interval: float = 10.0):
-        engine = engine_loop.engine
-        self.engine_loop, self.model_name = engine_loop, model_name
-        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread decodes with the original
+        info = engine_client.info
+        self.engine_client, self.model_name = engine_client, model_name
+        self.tokenizer = load_tokenizer(info.model_dir)  # the front's own: the core decodes with its own
         if tool_call_parser is not None or reasoning_parser is not None:
             self._check_parser_names(tool_call_parser, reasoning_parser)
-        self.protocol = OpenAIProtocol(self.tokenizer, model_name, engine.max_model_len, engine.config.vocab_size,
-                                       tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                                       chat_template=chat_template, generation_config=engine.generation_config,
-                                       architecture=engine.config.architecture,
-                                       limits=dataclasses.replace(limits, sequences_per_request=(
-                                           limits.sequences_per_request or 4 * engine.scheduler.max_num_seqs)))
-        self.max_model_len = engine.max_model_len
+        protocol_options = dict(model_name=model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                chat_template=chat_template, generation_config=info.generation_config,
+                                architecture=info.architecture,
+                                limits=dataclasses.replace(limits, sequences_per_request=(
+                                    limits.sequences_per_request or 4 * info.max_num_seqs)))
+        self.protocol = OpenAIProtocol(self.tokenizer, **protocol_options)
+        self.max_model_len = info.max_model_len
         if not keepalive_interval > 0:
             raise ValueError(f"keepalive_interval must be > 0 seconds, got {keepalive_interval}")
         self.keepalive_interval = keepalive_interval
         self.created = int(time.time())
         self.done = asyncio.Event()
-        self.workers = concurrent.futures.ThreadPoolExecutor(request_workers or default_request_workers(),
-                                                             thread_name_prefix="request-worker")
+        workers = request_workers or default_request_workers()
+        self.workers = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="request-worker")
+        self.large_requests = RequestProcesses(max(1, workers // 2), info.model_dir, protocol_options)
         middlewares = self._access(api_key, allowed_origins or []) if api_key or allowed_origins else []
         self.ssl_context = self._tls(*ssl_files) if ssl_files else None
         self.max_body_bytes, self.connection_limits = limits.body_mib << 20, connection_limits
@@ -149,13 +163,15 @@ class OpenAIServer:
                              web.post("/v1/messages", self.messages),
                              web.post("/v1/messages/count_tokens", self.count_tokens),
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
-        self.app.on_shutdown.append(self._stop_engine_loop)
+        self.app.on_shutdown.append(self._stop_engine_client)
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
         event_loop = asyncio.get_running_loop()
-        self.engine_loop.on_exit = lambda: event_loop.call_soon_threadsafe(self.done.set)
+        self.engine_client.on_exit = lambda: event_loop.call_soon_threadsafe(self.done.set)
+        if self.engine_client.failure is not None:  # a core failed before anyone listened
+            self.done.set()
         # auto_decompress off: body.read_body reads a compressed body as sent, inflate inflates it under the cap
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None,
                                      auto_decompress=False, **self.connections.handler_options())
@@ -165,20 +181,21 @@ class OpenAIServer:
         # the collector's sight, a full collection takes ~10 ms instead of holding the interpreter lock ~0.45 s,
         # which stalled every stream each time requests' garbage set one off (vLLM's engine core does the same).
         gc.freeze()
-        self.engine_loop.start()
+        self.engine_client.start()
         return self._listener.sockets[0].getsockname()[1]
 
     async def shutdown(self, timeout: float) -> None:
         """Graceful drain: refuse new requests, let those in flight finish for up to ``timeout``
         seconds, then end the rest (an error answer each) and stop."""
-        self.engine_loop.drain()
-        log.info("draining: %d requests in flight, up to %.0f s", self.engine_loop.num_streams, timeout)
+        self.engine_client.drain()
+        log.info("draining: %d requests in flight, up to %.0f s", self.engine_client.num_streams, timeout)
         deadline = asyncio.get_running_loop().time() + timeout
-        while self.engine_loop.num_streams and self.engine_loop.alive and asyncio.get_running_loop().time() < deadline:
+        client = self.engine_client
+        while client.num_streams and client.alive and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        if self.engine_loop.num_streams:
-            log.warning("aborting %d requests still in flight after %.0f s", self.engine_loop.num_streams, timeout)
-        await asyncio.to_thread(self.engine_loop.stop)
+        if self.engine_client.num_streams:
+            log.warning("aborting %d requests still in flight after %.0f s", self.engine_client.num_streams, timeout)
+        await asyncio.to_thread(self.engine_client.stop)
         await asyncio.sleep(0.2)  # handlers write the error of what was aborted
 
     async def stop(self) -> None:
@@ -187,9 +204,10 @@ class OpenAIServer:
         if self._runner is not None:
             await self._runner.cleanup()
         self.workers.shutdown(wait=False, cancel_futures=True)
+        self.large_requests.shutdown()
 
-    async def _stop_engine_loop(self, app: web.Application) -> None:
-        await asyncio.to_thread(self.engine_loop.stop)
+    async def _stop_engine_client(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.engine_client.stop)
 
     @web.middleware
     async def _error_objects(self, request: web.Request, handler):
@@ -249,7 +267,7 @@ class OpenAIServer:
         from engine.scheduling.structured.compiler import GrammarBusy
 
         try:
-            await self.engine_loop.engine.grammar_compiler.compile_async(spec, client=client)
+            await self.engine_client.compile(spec, client)
         except GrammarBusy as e:
             raise APIError(429, str(e), param=e.param, code="too_many_grammars") from None
         except StructuredOutputError as e:
@@ -289,13 +307,13 @@ class OpenAIServer:
     # ---- routes -------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        problem = self.engine_loop.health()
+        problem = self.engine_client.health()
         if problem is not None:
             raise APIError(503, problem)
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "engine_core_pids": self.engine_client.pids})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.engine_loop.metrics.render(),
+        return web.Response(body=self.engine_client.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -313,29 +331,34 @@ class OpenAIServer:
         return web.json_response({"version": version})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        tokens = await self.parse(request, TokenizeRequest, self.protocol.tokenize)
+        tokens = await self.parse(request, TokenizeRequest, OpenAIProtocol.tokenize)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response({"prompt": await self.parse(request, DetokenizeRequest, self.protocol.detokenize)})
+        return web.json_response({"prompt": await self.parse(request, DetokenizeRequest, OpenAIProtocol.detokenize)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, CompletionRequest, self.protocol.completion))
+        return await self._generate(request, await self.parse(request, CompletionRequest, OpenAIProtocol.completion))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, ChatRequest, self.protocol.chat))
+        return await self._generate(request, await self.parse(request, ChatRequest, OpenAIProtocol.chat))
 
     # ---- the path to the engine ---------------------------------------------------------------
 
-    async def parse(self, request: web.Request, model: type[Model], read: Callable[[Model], Any]) -> Any:
+    async def parse(self, request: web.Request, model: type[Model],
+                    read: Callable[[OpenAIProtocol, Model], Any]) -> Any:
         """The request's body read on the event loop (bytes only, at most ``--max-body-mib``), then
         decoded, typed as the API's request ``model`` (every field's type checked before any logic)
-        and given to ``read`` (the typed request -> what it asks) on a request worker thread:
-        whatever grows with the request runs off the event loop. A client that goes while its
-        request is read stops that work at the next stage (``stop_if_client_gone``); one that went
-        before a worker took it costs nothing."""
+        and given to ``read`` (protocol, typed request -> what it asks; a module's function or a
+        protocol method) on a request worker thread, or in a request worker process when the body
+        is ``LARGE_BODY_BYTES`` or more, or compressed (``request_processes``): whatever grows with
+        the request runs off the event loop, and the large ones off its interpreter lock. A client
+        that goes while a thread reads its request stops that work at the next stage
+        (``stop_if_client_gone``); one that went before a worker took it costs nothing."""
         check_content_type(request.headers.get("Content-Type"))
         body = await read_body(request, self.max_body_bytes, self.connection_limits.body_timeout)
+        if len(body.data) >= LARGE_BODY_BYTES or body.coding is not None:
+            return await self.large_requests.read(body, self.max_body_bytes, model, read)
         gone = threading.Event()
 
         def work() -> Any:
@@ -343,7 +366,7 @@ class OpenAIServer:
             stop_if_client_gone()  # gone while the request waited for a worker
             decoded = parse_json(inflate(body, self.max_body_bytes))
             stop_if_client_gone()
-            return read(validated(model, decoded, self.protocol.limits))
+            return read(self.protocol, validated(model, decoded, self.protocol.limits))
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self.workers, contextvars.copy_context().run, work)
@@ -357,7 +380,7 @@ class OpenAIServer:
         client = client_of(request)
         if gen.structured is not None:
             await self._compile(gen.structured, client)
-        return Generation(self.engine_loop, gen, client)
+        return Generation(self.engine_client, gen, client)
 
     async def _generate(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
         generation = await self.generation(request, gen)
@@ -485,6 +508,10 @@ def add_serve_command(commands) -> None:
     http.add_argument("--keepalive-interval", type=float, default=10.0, metavar="SECONDS",
                       help="a /v1/messages or /v1/responses stream silent this long (queued, or prefilling a long "
                            "prompt) gets a keep-alive event, so agents' stream watchdogs wait (default 10)")
+    http.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                      help="engine cores, each a whole replica in its own process (on CUDA one GPU each: cuda:0 .. "
+                           "N-1), behind this one server; requests go to the least loaded core, or back to the core "
+                           "that ran the same prompt start (default 1)")
     http.add_argument("--request-workers", type=int, default=None, metavar="N",
                       help="threads that parse, validate and tokenize requests off the event loop "
                            f"(default: one per core, 2 to 8; {default_request_workers()} here)")
@@ -511,20 +538,30 @@ def add_serve_command(commands) -> None:
     parser.set_defaults(run=serve)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, core_setup: Callable[[], None] | None = None) -> int:
+    """``python -m engine serve``; ``core_setup`` (picklable) runs in each engine core process before
+    its engine is built (a preset's random weights)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(dataclasses.replace(EngineArgs.from_cli_args(args), serving=True).create_engine_config())
-    if engine.tp.rank != 0:
+    config = dataclasses.replace(EngineArgs.from_cli_args(args), serving=True).create_engine_config()
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and args.data_parallel_size > 1:
+        raise SystemExit("serve: --data-parallel-size > 1 runs whole replicas; under torchrun (tensor parallel) "
+                         "there is one engine core")
+    if rank != 0:  # a TP worker: follows the lock-step of rank 0's engine core
+        from engine.core.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 gets them too and sends the stop
-            signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", engine.tp.rank))
+            signal.signal(sig, lambda *_: log.warning("rank %d: waiting for rank 0's stop", rank))
         mirror_rank0(engine)
         return 0
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise SystemExit("serve: --ssl-certfile and --ssl-keyfile go together")
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    engine_loop = EngineLoop(engine, ServerMetrics(args.stats_interval))
+    engine_client = CoreProcesses(config, ServerMetrics(args.stats_interval), args.data_parallel_size, core_setup)
     try:
-        server = OpenAIServer(engine_loop, args.served_model_name or engine.engine_config.model.name,
+        engine_client.start()
+        server = OpenAIServer(engine_client, args.served_model_name or config.model.name,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               chat_template=chat_template, api_key=args.api_key,
                               allowed_origins=args.allowed_origins,
@@ -534,8 +571,8 @@ def serve(args: argparse.Namespace) -> int:
                               keepalive_interval=args.keepalive_interval)
         asyncio.run(_serve(server, args.host, args.port, args.shutdown_timeout))
     finally:
-        engine_loop.stop()
-    return 1 if engine_loop.failure is not None else 0
+        engine_client.stop()
+    return 1 if engine_client.failure is not None else 0
 
 
 async def _serve(server: OpenAIServer, host: str, port: int, shutdown_timeout: float) -> None:

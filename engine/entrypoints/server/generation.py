@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from engine.core.engine_client import EngineClient, Stream
 from engine.core.output_processor import RequestOutput
-from engine.entrypoints.server.engine_loop import EngineLoop, Stream
 from engine.entrypoints.server.protocol import GenerationRequest, usage
 from engine.entrypoints.server.request_body import APIError
 
@@ -43,24 +43,24 @@ def client_of(request: web.Request) -> str:
 
 class Generation:
     """``gen``'s choices, sent by ``client`` (``client_of``: the engine admits waiting
-    requests round robin over clients), running on ``engine_loop``; ``close()`` aborts what still
+    requests round robin over clients), running on ``engine_client``; ``close()`` aborts what still
     runs."""
 
-    def __init__(self, engine_loop: EngineLoop, gen: GenerationRequest, client: str):
-        self.engine_loop, self.gen = engine_loop, gen
+    def __init__(self, engine_client: EngineClient, gen: GenerationRequest, client: str):
+        self.engine_client, self.gen = engine_client, gen
         self.bell = asyncio.Event()
         self.streams = [Stream(c.prompt_token_ids, c.params, c.index, self.bell, client) for c in gen.choices]
         self.finals: list[RequestOutput | None] = [None] * len(self.streams)
         try:
             for s in self.streams:
-                engine_loop.submit(s)
+                engine_client.submit(s)
         except RuntimeError as e:  # draining or stopped
             self.close()
             raise APIError(503, str(e)) from None
 
     def close(self) -> None:
         for s in self.streams:
-            self.engine_loop.abort(s)
+            self.engine_client.abort(s)
 
     async def updates(self, tick: float | None = None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """``(position, delta)`` of each choice's progress until every choice has finished; a

@@ -1,47 +1,70 @@
 """The server's Prometheus metrics (``/metrics``) and its periodic stats line in the log.
 
-Gauges are read from the engine after each step; counters follow the engine's cumulative
-counts; the latency histograms are observed by the engine loop as requests produce tokens
-and finish. One registry per server, so several servers can live in one process.
+Each engine core reports its ``EngineStats`` after every step (``observe``); every gauge and counter
+is exposed as the sum over the cores (no label) and per core (label ``core``). The latency
+histograms are observed by the front as requests produce tokens and finish, over all cores. One
+registry per server, so several servers can live in one process.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.core.engine_core import EngineStats
 
 log = logging.getLogger("engine.entrypoints.server")
 
 PREFIX = "agent_infer:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+# EngineStats field -> (metric name, kind, help)
+ENGINE_METRICS = {
+    "running": ("num_requests_running", GaugeMetricFamily, "Requests running on the engine."),
+    "waiting": ("num_requests_waiting", GaugeMetricFamily, "Requests waiting to run."),
+    "kv_usage": ("kv_cache_usage_perc", GaugeMetricFamily,
+                 "Fraction of the KV cache blocks in use (0-1; the mean over the cores)."),
+    "prefix_queries": ("prefix_cache_queries", CounterMetricFamily, "Prompt tokens looked up in the prefix cache."),
+    "prefix_hits": ("prefix_cache_hits", CounterMetricFamily, "Prompt tokens found in the prefix cache."),
+    "prompt_tokens": ("prompt_tokens", CounterMetricFamily, "Prompt tokens of the requests admitted."),
+    "generation_tokens": ("generation_tokens", CounterMetricFamily, "Tokens generated."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", CounterMetricFamily,
+                                     "Drafted tokens verified (speculative decoding)."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", CounterMetricFamily,
+                                        "Drafted tokens accepted (speculative decoding)."),
+}
+
+
+class _EngineCollector:
+    """The cores' latest stats as Prometheus families: the total, then one sample per core."""
+
+    def __init__(self, stats: dict[int, EngineStats]):
+        self.stats = stats
+
+    def collect(self):
+        cores = sorted(self.stats.items())
+        for field, (name, family, help_text) in ENGINE_METRICS.items():
+            metric = family(PREFIX + name, help_text, labels=["core"])
+            values = [getattr(stats, field) for _, stats in cores]
+            total = sum(values) / len(values) if field == "kv_usage" and values else sum(values)
+            metric.add_metric([], total)
+            for (core, _), value in zip(cores, values):
+                metric.add_metric([str(core)], value)
+            yield metric
 
 
 class ServerMetrics:
-    """``observe(engine)`` after every engine iteration (gauges, counters, the stats line every
+    """``observe(stats, core)`` after every iteration of a core (the stats line every
     ``stats_interval_s`` while busy); ``first_token`` / ``next_tokens`` / ``finished`` per request;
     ``render()`` is the Prometheus text exposition."""
 
     def __init__(self, stats_interval_s: float = 10.0):
         self.registry = registry = CollectorRegistry()
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests running on the engine.", registry=registry)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to run.", registry=registry)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of the KV cache blocks in use (0-1).",
-                              registry=registry)
-        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      registry=registry)
-        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   registry=registry)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests admitted.",
-                                     registry=registry)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=registry)
-        self.spec_decode_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens",
-                                                    "Drafted tokens verified (speculative decoding).",
-                                                    registry=registry)
-        self.spec_decode_num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens",
-                                                       "Drafted tokens accepted (speculative decoding).",
-                                                       registry=registry)
+        self.stats: dict[int, EngineStats] = {}
+        registry.register(_EngineCollector(self.stats))
         self.requests = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                 ["finished_reason"], registry=registry)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
@@ -51,34 +74,21 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=registry)
         self.stats_interval_s = stats_interval_s
-        self._seen = dict.fromkeys(("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens",
-                                    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"), 0)
         self._stats_at, self._stats_tokens = time.monotonic(), (0, 0)
 
-    def observe(self, engine) -> None:
-        scheduler, bm = engine.scheduler, engine.block_manager
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        kv_usage = 1 - bm.num_free_blocks / bm.num_blocks
-        self.kv_usage.set(kv_usage)
-        totals = {"prefix_queries": bm.num_prefix_queries, "prefix_hits": bm.num_prefix_hits,
-                  "prompt_tokens": engine.num_prompt_tokens, "generation_tokens": engine.num_generation_tokens,
-                  "spec_decode_num_draft_tokens": scheduler.num_draft_tokens,
-                  "spec_decode_num_accepted_tokens": scheduler.num_accepted_tokens}
-        for name, total in totals.items():
-            getattr(self, name).inc(total - self._seen[name])
-            self._seen[name] = total
+    def observe(self, stats: EngineStats, core: int = 0) -> None:
+        self.stats[core] = stats
         now = time.monotonic()
         if now - self._stats_at >= self.stats_interval_s:
-            busy = scheduler.has_unfinished() or self._stats_tokens != (totals["prompt_tokens"],
-                                                                         totals["generation_tokens"])
-            if busy:
+            total = {f.name: sum(getattr(s, f.name) for s in self.stats.values())
+                     for f in dataclasses.fields(EngineStats)}
+            tokens = (total["prompt_tokens"], total["generation_tokens"])
+            if total["running"] or total["waiting"] or tokens != self._stats_tokens:
                 seconds = now - self._stats_at
                 log.info("running %d, waiting %d, KV cache %.1f%% used, prompt %.1f tok/s, generation %.1f tok/s",
-                         len(scheduler.running), len(scheduler.waiting), 100 * kv_usage,
-                         (totals["prompt_tokens"] - self._stats_tokens[0]) / seconds,
-                         (totals["generation_tokens"] - self._stats_tokens[1]) / seconds)
-            self._stats_at, self._stats_tokens = now, (totals["prompt_tokens"], totals["generation_tokens"])
+                         total["running"], total["waiting"], 100 * total["kv_usage"] / len(self.stats),
+                         (tokens[0] - self._stats_tokens[0]) / seconds, (tokens[1] - self._stats_tokens[1]) / seconds)
+            self._stats_at, self._stats_tokens = now, tokens
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -35,10 +35,20 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def __reduce__(self):  # whole across processes, subclasses too (engine.entrypoints.server.request_processes)
+        return _rebuilt_error, (type(self), self.__dict__)
+
     def body(self) -> dict:
         """OpenAI's error object."""
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _rebuilt_error(cls: type[APIError], state: dict) -> APIError:
+    error = Exception.__new__(cls)
+    Exception.__init__(error, state["message"])
+    error.__dict__.update(state)
+    return error
 
 
 def clipped(text: str, limit: int = 100) -> str:

@@ -186,7 +186,7 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRequest, dict, dict]:
+def parse(protocol: OpenAIProtocol, req: ResponsesRequest) -> tuple[GenerationRequest, dict, dict]:
     """(Worker thread.) The request as the engine runs it, the request fields the answer repeats
     and its namespaces' functions by flat name (``namespaced``)."""
     chat, paths = chat_body(req)
@@ -208,7 +208,7 @@ def parse(req: ResponsesRequest, protocol: OpenAIProtocol) -> tuple[GenerationRe
 
 async def create(server, request: web.Request) -> web.StreamResponse:
     """The route (``OpenAIServer.responses``)."""
-    gen, echo, functions = await server.parse(request, ResponsesRequest, lambda req: parse(req, server.protocol))
+    gen, echo, functions = await server.parse(request, ResponsesRequest, parse)
     generation = await server.generation(request, gen)
     answer = Answer(server.protocol.model_name, echo, functions)
     try:
