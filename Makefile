@@ -43,6 +43,7 @@ exercise-all: setup
 		tests/test_exercise_resume.py
 
 # Every step always runs; pytest exit 5 (nothing collected) is not a failure.
+# The tests marked alone (a time bound under load) run after the rest, with nothing beside them.
 # --dist loadfile keeps each test file on one worker, so module-scoped fixtures are built once; one OpenMP
 # thread per worker (a worker per core: more threads only wait for each other, 6x slower per small op).
 # The torchrun report goes to build/, so `gates status` still shows the last `make gates` / `gates run`.
@@ -50,8 +51,9 @@ test: setup
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/lint-imports --no-cache || status=1; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile --durations=25 -m "not torchrun" phases tests \
-		|| [ $$? -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist loadfile --durations=25 -m "not torchrun and not alone" \
+		phases tests || [ $$? -eq 5 ] || status=1; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "alone and not torchrun" phases tests || [ $$? -eq 5 ] || status=1; \
 	$(BIN)/python -m gates run --mode torchrun --keep-going --skip-empty \
 		--report build/make-test-torchrun-report.json || status=1; \
 	exit $$status

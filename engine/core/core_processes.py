@@ -67,9 +67,10 @@ class CoreProcesses(EngineClient):
             front_end, core_end = context.Pipe()
             self._pipes.append(front_end)
             self._core_ends.append(core_end)  # closed here once the process has it
+            # not a daemon: a core starts processes of its own (grammar compile workers); stop() ends it, and
+            # the end of its pipe when this process dies
             self._processes.append(context.Process(target=run_core, args=(_config_of_core(config, core), core_end,
-                                                                          core, setup), name=f"engine-core-{core}",
-                                                   daemon=True))
+                                                                          core, setup), name=f"engine-core-{core}"))
         self._send_locks = [threading.Lock() for _ in range(num_cores)]
         self._listeners = [threading.Thread(target=self._listen, args=(core,), name=f"engine-core-{core}-listener",
                                             daemon=True) for core in range(num_cores)]

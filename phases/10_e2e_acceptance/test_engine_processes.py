@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -20,11 +19,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.entrypoints.server.app import LARGE_BODY_BYTES, OpenAIServer
 from engine.entrypoints.server.metrics import ServerMetrics
 from server_cases import (
-    ATTACK_STALL,
     HANG_GUARD_S,
-    STALL_FLOOR_S,
-    Witness,
-    costly_tools,
     http,
     metrics,
     running_server,
@@ -35,7 +30,6 @@ from server_cases import (
 DEMO = [sys.executable, "-m", "engine", "serve", "--port", "0", "--served-model-name", "tiny"]
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "def read_lines(path):", "for i in range(",
            "# sort a list\n", "with open(", "def main():"]
-FLOOD_CLIENTS, FLOOD_S = 6, 40.0
 
 
 def core_pids(url: str) -> list[int]:
@@ -79,69 +73,6 @@ def test_serve_steps_in_a_process_other_than_the_http_servers():
         rc = stop_server_process(server, signal.SIGTERM)
     assert rc == 0, "".join(server.stderr)
     wait_for(lambda: gone(pids[0]), "the engine core exits with the server")
-
-
-def count_tokens_body(tools: list[dict]) -> bytes:
-    """A costly request for the front alone: Anthropic's count_tokens of a chat with ``tools``,
-    every value legal, parsed, typed, schema-checked, rendered and tokenized in full (nothing runs on
-    the engine). On the demo model's 1,024-token context the count is then refused as too long, the
-    count in the message showing the whole request was paid for."""
-    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Which tool?"}], "tools": [
-        {"name": t["function"]["name"], "description": t["function"]["description"],
-         "input_schema": t["function"]["parameters"]} for t in tools]}).encode()
-
-
-def post_from(url: str, path: str, raw: bytes, source: str) -> tuple[int, bytes]:
-    """POST ``raw`` JSON from the loopback address ``source`` (another client to the server)."""
-    host, port = url.removeprefix("http://").split(":")
-    connection = HTTPConnection(host, int(port), timeout=HANG_GUARD_S, source_address=(source, 0))
-    try:
-        connection.request("POST", path, raw, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
-def test_a_flood_of_costly_requests_leaves_the_witness_streams_alone():
-    """Six clients send costly requests (count_tokens of 128 large tool schemas, 2.6 MiB, each paid
-    in full: ``count_tokens_body``) back to back for 40 s while greedy witness streams run one after
-    another: their text is unchanged and every one's longest wait for a chunk, the first included,
-    stays within max(0.5 s, 10 x) the same run's quiet stream's."""
-    body = count_tokens_body(costly_tools())
-    server = start_server_process(DEMO)
-    stop, answered, failed = threading.Event(), [], []
-
-    def flood(source: str) -> None:
-        while not stop.is_set():
-            status, raw = post_from(server.url, "/v1/messages/count_tokens", body, source)
-            answered.append(status)
-            counted = re.search(rb"prompt is too long: (\d+) tokens", raw)
-            if status != 400 or not counted or int(counted[1]) < 20_000:
-                failed.append(raw[:300])
-
-    try:
-        witness = Witness(server.url, max_tokens=256)
-        _, _, quiet, _ = witness.run()
-        bound = max(STALL_FLOOR_S, ATTACK_STALL * quiet)
-        threads = [threading.Thread(target=flood, args=(f"127.0.0.{10 + i}",), daemon=True)
-                   for i in range(FLOOD_CLIENTS)]
-        for thread in threads:
-            thread.start()
-        waits, deadline = [], time.monotonic() + FLOOD_S
-        while time.monotonic() < deadline:
-            waits.append(witness.run()[2])  # the same greedy text each time (Witness.run checks it)
-        stop.set()
-        for thread in threads:
-            thread.join(HANG_GUARD_S)
-    finally:
-        stop.set()
-        stop_server_process(server, signal.SIGTERM)
-    assert not failed, failed[0]
-    assert len(answered) >= FLOOD_CLIENTS, f"the flood was answered {len(answered)} times in {FLOOD_S:g} s"
-    assert max(waits) <= bound, (
-        f"a witness waited {max(waits):.2f} s for a chunk beside {len(answered)} costly requests; the quiet "
-        f"stream's longest wait was {quiet:.3f} s (the bound: {bound:.2f} s); waits {sorted(waits)[-5:]}")
 
 
 def sse_events(response) -> list[bytes]:

@@ -91,7 +91,7 @@ from engine.entrypoints.server.request_body import (
     stop_if_client_gone,
 )
 from engine.entrypoints.server.request_model import Model, validated
-from engine.entrypoints.server.request_processes import RequestProcesses
+from engine.entrypoints.server.request_processes import ProtocolMethod, RequestProcesses
 from engine.entrypoints.server.tool_parsers import tool_parser
 from engine.scheduling.structured.spec import StructuredOutputError, StructuredSpec
 
@@ -331,17 +331,17 @@ class OpenAIServer:
         return web.json_response({"version": version})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        tokens = await self.parse(request, TokenizeRequest, OpenAIProtocol.tokenize)
+        tokens = await self.parse(request, TokenizeRequest, ProtocolMethod("tokenize"))
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response({"prompt": await self.parse(request, DetokenizeRequest, OpenAIProtocol.detokenize)})
+        return web.json_response({"prompt": await self.parse(request, DetokenizeRequest, ProtocolMethod("detokenize"))})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, CompletionRequest, OpenAIProtocol.completion))
+        return await self._generate(request, await self.parse(request, CompletionRequest, ProtocolMethod("completion")))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, await self.parse(request, ChatRequest, OpenAIProtocol.chat))
+        return await self._generate(request, await self.parse(request, ChatRequest, ProtocolMethod("chat")))
 
     # ---- the path to the engine ---------------------------------------------------------------
 

@@ -9,9 +9,10 @@ event loop lagging 200-320 ms). ``RequestProcesses`` runs such requests (``read_
 decode, type and read one body) in ``workers`` spawned processes, each holding its own
 ``OpenAIProtocol`` built from the same arguments (tokenizer, chat template, parsers, limits); what a
 read returns (a ``GenerationRequest``, token ids, a count) and the ``APIError`` it raises come back
-pickled, a few KiB. The workers run at a lower scheduling priority (``NICENESS``): where cores are
-few, the engine cores' steps and the event loop come first. The pool starts with the first large request; a worker that died (the OOM
-killer) fails its request with a 500 and the next request gets a new pool.
+pickled, a few KiB; a read is a module's function or a ``ProtocolMethod``. The workers run at a
+lower scheduling priority (``NICENESS``): where cores are few, the engine cores' steps and the event
+loop come first. The pool starts with the first large request; a worker that died (the OOM killer)
+fails its request with a 500 and the next request gets a new pool.
 
 A read that has started in a process runs to its end even when its client has gone (a thread's
 read stops at its next stage): a large request costs at most one read of ``--max-body-mib``.
@@ -24,6 +25,7 @@ import multiprocessing
 import os
 import threading
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.core.tokenizer import load_tokenizer
@@ -46,6 +48,16 @@ def read_large(body: RawBody, max_bytes: int, model: type[Model], read: Callable
     """(A worker process.) ``body`` inflated, decoded, typed as ``model`` and given to ``read``
     with this process's protocol."""
     return read(_protocol, validated(model, parse_json(inflate(body, max_bytes)), _protocol.limits))
+
+
+@dataclass(frozen=True)
+class ProtocolMethod:
+    """The read ``protocol.<name>(request)`` as a value that pickles by name, so a request worker
+    process runs it with its own protocol (and a thread with the server's, as it stands)."""
+    name: str
+
+    def __call__(self, protocol: OpenAIProtocol, request: Model) -> Any:
+        return getattr(protocol, self.name)(request)
 
 
 class RequestProcesses:
