@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (``python -m engine serve``), split along its seams:
 
-- ``engine_client``: the one thread that calls the engine (streams, queues, the TP lock-step
-  protocol, the error policy, draining);
+- ``generation``: a request's streams on the engine, through an ``engine.core.engine_client.EngineClient``
+  (the engine itself runs in ``engine.core``: in processes of its own under ``serve``);
+- ``request_processes``: large bodies read in worker processes;
 - ``protocol``: request parsing and validation, response objects;
 - ``metrics``: Prometheus metrics and the periodic stats line;
 - ``app``: HTTP routes, Server-Sent Events, /metrics, /health, /tokenize, graceful shutdown,
