@@ -20,6 +20,7 @@ from server_cases import (
     assert_error_object,
     http,
     make_word_checkpoint,
+    server_env,
     start_server_process,
     stop_server_process,
 )
@@ -159,3 +160,25 @@ def test_an_engine_failing_every_step_ends_the_server(model_dir):
             stop_server_process(server, signal.SIGKILL)
     assert rc == 1, "".join(server.stderr)
     assert "3 engine steps failed in a row" in "".join(server.stderr)
+
+
+@pytest.mark.slow
+def test_rank0_failing_before_it_serves_stops_every_rank(model_dir):
+    """``torchrun --nproc_per_node 2 -m engine serve`` on a port already taken: rank 0's server
+    cannot bind, its engine core (rank 0 of the TP group, a process of its own) sends the other
+    rank its stop, and every process exits, non-zero (no rank left waiting in a collective)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                   "engine", "serve", "--model", str(model_dir), "--port", str(taken.getsockname()[1]),
+                   "--max-model-len", "64"]
+        try:
+            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=STOPPED_WITHIN_S,
+                                  env=server_env(), start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"the ranks were still running {STOPPED_WITHIN_S} s after rank 0 failed to bind:\n"
+                                 f"{e.stderr}") from None
+    assert done.returncode != 0 and "address already in use" in done.stderr.lower(), done.stderr[-2000:]
