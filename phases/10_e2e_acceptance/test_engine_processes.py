@@ -187,7 +187,7 @@ def test_after_its_core_died_the_front_answers_503():
 def test_a_large_body_is_read_in_a_worker_process_as_a_thread_reads_it():
     """A small body is read on a thread (no worker process starts); a body of LARGE_BODY_BYTES or
     more in a request worker process with its own protocol, answered as the front would: /tokenize
-    of a 100 KB prompt gives the tokenizer's own ids."""
+    of a 100 KB prompt gives the tokenizer's own ids; the worker process ends with its server."""
     engine = LLMEngine(EngineArgs(serving=True).create_engine_config())
     with running_server(engine) as running:
         processes = running.server.large_requests
@@ -199,3 +199,5 @@ def test_a_large_body_is_read_in_a_worker_process_as_a_thread_reads_it():
         assert status == 200 and json.loads(raw)["tokens"] == engine.tokenizer.encode(prompt), raw[:300]
         workers = processes.pids()
         assert workers and os.getpid() not in workers, workers
+    for pid in workers:
+        wait_for(lambda: gone(pid), f"request worker process {pid} ends with its server")

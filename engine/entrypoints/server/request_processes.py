@@ -14,15 +14,21 @@ lower scheduling priority (``NICENESS``): where cores are few, the engine cores'
 loop come first. The pool starts with the first large request; a worker that died (the OOM killer)
 fails its request with a 500 and the next request gets a new pool.
 
-A read that has started in a process runs to its end even when its client has gone (a thread's
+A worker dies with the thread that started it (Linux's parent-death signal): a pool the server could
+not shut down (the server killed, a test session ended with ``os._exit``) leaves no process behind, and
+none holding the server's output open. A read that has started in a process runs to its end even when
+its client has gone (a thread's
 read stops at its next stage): a large request costs at most one read of ``--max-body-mib``.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -35,11 +41,16 @@ from engine.entrypoints.server.request_body import APIError, parse_json
 from engine.entrypoints.server.request_model import Model, validated
 
 NICENESS = 5  # the workers' scheduling priority below the front's and the engine cores'
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 _protocol: OpenAIProtocol | None = None  # a worker process's own
 
 
-def _start(model_dir, protocol_options: dict) -> None:
+def _start(parent: int, model_dir, protocol_options: dict) -> None:
     global _protocol
+    if sys.platform == "linux":  # killed when the thread that started it ends (the server's event loop)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it ended before the line above
+            os._exit(0)
     os.nice(NICENESS)
     _protocol = OpenAIProtocol(load_tokenizer(model_dir), **protocol_options)
 
@@ -88,7 +99,7 @@ class RequestProcesses:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-                    initargs=(self.model_dir, self.protocol_options))
+                    initargs=(os.getpid(), self.model_dir, self.protocol_options))
             return self._pool
 
     def pids(self) -> list[int]:
