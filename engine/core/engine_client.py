@@ -217,9 +217,9 @@ class EngineClient:
         now = self._heard[core] = time.monotonic()
         kind = message[0]
         if kind == "outputs":
+            self.metrics.observe(message[2], core)  # first: a reader answered by this step sees its counts
             for key, output in message[1]:
                 self._publish(key, output, now)
-            self.metrics.observe(message[2], core)
         elif kind == "refused":
             stream = self._streams.pop(message[1], None)
             if stream is not None:
