@@ -35,8 +35,8 @@ def timed(fn, device, repeat: int = 20) -> float:
 
 def main() -> None:
     from engine.core.llm_engine import LLMEngine
-    from engine.scheduling.scheduler import ScheduledBatch
     from engine.scheduling.sequence import SamplingParams, Sequence
+    from engine.scheduling.step import ScheduledBatch
     from engine.worker.model_runner import LaunchedStep
     from phases.checkpoints import make_tiny_checkpoint
 

@@ -34,8 +34,8 @@ import logging
 from dataclasses import dataclass
 
 from engine.core.detokenizer import IncrementalDetokenizer, batch_decoder, detokenize
-from engine.scheduling.scheduler import SequenceOutput
 from engine.scheduling.sequence import Sequence
+from engine.scheduling.step import SequenceOutput
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 from engine.model.attention_context import AttentionContext
 
 if TYPE_CHECKING:
-    from engine.scheduling.scheduler import ScheduledBatch
+    from engine.scheduling.step import ScheduledBatch
     from engine.worker.prompt_logprobs import PromptLogprobsPlan
 
 

@@ -14,8 +14,8 @@ from collections.abc import Hashable
 
 import torch
 
-from engine.scheduling.scheduler import SequenceOutput
 from engine.scheduling.sequence import Sequence
+from engine.scheduling.step import SequenceOutput
 from engine.scheduling.structured.compiler import GrammarCompiler
 from engine.scheduling.structured.matchers import GrammarMatchers, apply_bitmask
 from engine.worker.device_copy import to_device

@@ -14,8 +14,8 @@ import torch
 
 from engine.distributed import TPGroup
 from engine.model.layers.sampler import Sampler
-from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
+from engine.scheduling.step import ScheduledBatch
 from engine.worker.runner import LaunchedStep, unique_parameter_bytes
 
 if TYPE_CHECKING:

@@ -47,8 +47,8 @@ from engine.model.attention_context import AttentionContext, forward_context
 from engine.model.layers.sampler import Sampler
 from engine.model.loader import load_checkpoint
 from engine.model.models.registry import build_model
-from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import Sequence
+from engine.scheduling.step import ScheduledBatch
 from engine.worker.device_copy import to_device_packed
 from engine.worker.forward_batch import DecodeInputs, ForwardBatch, SamplingPlan
 from engine.worker.input_batch import InputBatch

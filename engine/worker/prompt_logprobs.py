@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.step import ScheduledBatch
 
 SLICE_ROWS = 1024  # targets whose float32 log-softmax is held at once
 

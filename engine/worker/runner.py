@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.step import ScheduledBatch
 from engine.worker.prompt_logprobs import PromptLogprobsPlan, read_prompt_logprobs
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.layers.sampler import Sampler
-from engine.scheduling.scheduler import ScheduledBatch
+from engine.scheduling.step import ScheduledBatch
 from engine.worker.device_copy import to_device, to_device_packed
 from engine.worker.forward_batch import ForwardBatch, SamplingPlan
 from engine.worker.input_batch import InputBatch

@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.scheduling.block_manager import BlockManager
-from engine.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerSettings
+from engine.scheduling.scheduler import Scheduler, SchedulerSettings
 from engine.scheduling.sequence import SamplingParams, Sequence
 from engine.scheduling.sequence import SequenceStatus as S
+from engine.scheduling.step import ScheduledBatch
 
 EOS = 0
 

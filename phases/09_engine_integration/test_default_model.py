@@ -78,8 +78,8 @@ def test_held_out_loss_matches_transformers(engine):
 
 def engine_prefill_logits(engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of one prompt, through the runner's own prefill path."""
-    from engine.scheduling.scheduler import ScheduledBatch
     from engine.scheduling.sequence import Sequence
+    from engine.scheduling.step import ScheduledBatch
 
     runner, seq = engine.runner, Sequence(ids, SamplingParams(max_tokens=1), request_id="held-out")
     engine.block_manager.allocate(seq)

@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 
 import engine
 from engine.core.output_processor import OutputProcessor
-from engine.scheduling.scheduler import SequenceOutput
 from engine.scheduling.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.scheduling.step import SequenceOutput
 
 TEXT = "The quick brown fox jumps over the lazy dog, again and again, until the sun goes down."
 

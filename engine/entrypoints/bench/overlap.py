@@ -19,8 +19,8 @@ import time
 import torch
 
 from engine.entrypoints.bench.offline import random_prompt
-from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import SamplingParams
+from engine.scheduling.step import ScheduledBatch
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner import LaunchedStep
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine.scheduling.scheduler import ScheduledBatch
 from engine.scheduling.sequence import SamplingParams, Sequence
+from engine.scheduling.step import ScheduledBatch
 
 WORKLOAD = Path(__file__).with_name("spec_workload.json")
 HEAD_LINES = 2  # lines of the edited function the edit prompt begins
