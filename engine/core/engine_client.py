@@ -29,7 +29,6 @@ from typing import Any, Callable
 
 from engine.core.engine_config import EngineConfig
 from engine.core.engine_core import EngineCore, EngineStats
-from engine.core.lockstep import send_commands
 from engine.core.output_processor import RequestOutput
 from engine.core.sampling_defaults import read_generation_config
 from engine.scheduling.sequence import SamplingParams
@@ -311,9 +310,7 @@ class InProcessClient(EngineClient):
         A thread stuck in a collective with a lost peer is left behind, logged."""
         self.drain()
         if self._thread.ident is None:
-            if not self.core._stop_sent:
-                self.core._stop_sent = True
-                send_commands([], True)
+            self.core.send_stop()
             return
         self.core.put(("stop",))
         self._thread.join(timeout)

@@ -85,6 +85,13 @@ class EngineCore:
     def put(self, command: tuple) -> None:
         self._inbox.put(command)
 
+    def send_stop(self) -> None:
+        """The stop to the other TP ranks, once, unless a step failed (a peer may wait in another
+        collective); also for a core whose loop never ran."""
+        if not self._stop_sent and not self._failed_in_step:
+            self._stop_sent = True
+            send_commands([], True)
+
     def run(self) -> None:
         """The loop: take commands, step while there is work, send what each step pushed; ends on
         a stop or a fatal failure with the ``exit`` message, also when the failure is re-raised."""
@@ -172,12 +179,10 @@ class EngineCore:
     def _end(self, failure: BaseException | None) -> None:
         """Send the other ranks the stop (unless a step failed: a peer may wait in another
         collective), end what is held and send the ``exit`` message."""
-        if not self._stop_sent and not self._failed_in_step:
-            try:
-                self._stop_sent = True
-                send_commands([], True)
-            except Exception:
-                log.exception("could not send the stop to the other ranks")
+        try:
+            self.send_stop()
+        except Exception:
+            log.exception("could not send the stop to the other ranks")
         if self._failed_in_step:
             reason, finish = f"the engine failed: {type(failure).__name__}: {failure}", "error"
         else:
