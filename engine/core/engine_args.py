@@ -74,9 +74,14 @@ class EngineArgs:
                                        "format without it", choices=["fp8"])
     overlap: bool = _option(True, "--no-overlap", "run each step to the end before scheduling the next (default: the "
                             "host schedules and postprocesses while the device runs the previous step)")
-    speculative: str | None = _option(None, "--speculative", "speculative decoding: ngram drafts the next tokens by "
-                                      "prompt lookup and verifies them in the decode step, giving the same tokens "
-                                      "(default: off; runs synchronous steps)", choices=list(SPECULATIVE_METHODS))
+    speculative: str | None = _option(None, "--speculative", "speculative decoding: drafts the next tokens and "
+                                      "verifies them in the decode step, giving the same tokens: ngram by prompt "
+                                      "lookup, draft by a smaller model, eagle3 by an EAGLE-3 head (both "
+                                      "--draft-model), mtp by a DeepSeek-V3 checkpoint's own MTP layer (default: "
+                                      "off; runs synchronous steps)", choices=list(SPECULATIVE_METHODS))
+    draft_model: str | None = _option(None, "--draft-model", "the draft checkpoint (directory or Hub id) of "
+                                      "--speculative draft or eagle3 (default for the demo model: its shipped "
+                                      "drafters)", metavar="DIR|ORG/NAME")
     num_speculative_tokens: int = _option(4, "--num-speculative-tokens", "most tokens drafted per decode, "
                                           f"1-{MAX_SPECULATIVE_TOKENS} (default 4)", type=int)
     prompt_lookup_min: int = _option(2, "--prompt-lookup-min", "shortest suffix the n-gram drafter looks up "

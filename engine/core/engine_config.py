@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from engine.model.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.model.models.dense import DenseForCausalLM
 from engine.model.models.registry import MODEL_CLASSES, default_dtype
 from engine.scheduling.scheduler import SchedulerSettings
-from engine.scheduling.speculative import SPECULATIVE_METHODS, NgramDrafter
+from engine.scheduling.speculative import DRAFT_CHECKPOINT_METHODS, SPECULATIVE_METHODS, NgramDrafter
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "default_model"  # engine/default_model
 FORCED_CLASSES = {"qwen_tp": DenseForCausalLM, "deepseek_tp": DeepseekV2ForCausalLM}
@@ -92,14 +92,19 @@ class ParallelSettings:
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    """Speculative decoding: ``method`` ("ngram", or None: off, the default — it pays only when
-    answers repeat their context) and the n-gram drafter's ``num_speculative_tokens``,
-    ``prompt_lookup_min`` and ``prompt_lookup_max`` (checked by ``NgramDrafter``)."""
+    """Speculative decoding: ``method`` (None: off, the default; "ngram": prompt lookup, which pays
+    only when answers repeat their context; "draft": a smaller model, "eagle3": an EAGLE-3 head,
+    both read from ``draft_model``; "mtp": the target checkpoint's own DeepSeek multi-token
+    prediction layer), ``num_speculative_tokens`` drafted per decode, and the n-gram drafter's
+    ``prompt_lookup_min`` and ``prompt_lookup_max`` (checked by ``NgramDrafter``). ``draft_model``:
+    the draft checkpoint's directory ("draft" and "eagle3"; for the demo model its shipped
+    drafters ``engine/default_model/draft`` and ``.../eagle3`` by default), else None."""
 
     method: str | None
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    draft_model: Path | None = None
 
     @property
     def max_draft_tokens(self) -> int:
@@ -107,7 +112,8 @@ class SpeculativeSettings:
         return self.num_speculative_tokens if self.method is not None else 0
 
     def drafter(self) -> NgramDrafter | None:
-        if self.method is None:
+        """The n-gram drafter (a model drafter is the runner's: ``engine.worker.drafting``)."""
+        if self.method != "ngram":
             return None
         return NgramDrafter(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
@@ -194,7 +200,7 @@ def resolve(args) -> EngineConfig:
                                     progress=progress)
     config = ModelConfig.from_model_dir(model_dir, args.quantization)
     model_class = model_class_for(config, args.backend)
-    speculative = _speculative(args, model_class)
+    speculative = _speculative(args, model_class, model_dir, progress)
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = config.max_position_embeddings
@@ -240,7 +246,7 @@ def _prefill_tokens_beside_decodes(requested: int | None, device: torch.device, 
     return requested
 
 
-def _speculative(args, model_class: type | None) -> SpeculativeSettings:
+def _speculative(args, model_class: type | None, model_dir: Path, progress: bool) -> SpeculativeSettings:
     if args.speculative not in (None, *SPECULATIVE_METHODS):
         raise ValueError(f"speculative must be None or one of {', '.join(SPECULATIVE_METHODS)}, "
                          f"got {args.speculative!r}")
@@ -248,8 +254,18 @@ def _speculative(args, model_class: type | None) -> SpeculativeSettings:
         raise ValueError("speculative decoding needs our own runner: the hf backend verifies no drafts")
     settings = SpeculativeSettings(args.speculative, args.num_speculative_tokens, args.prompt_lookup_min,
                                    args.prompt_lookup_max)
-    settings.drafter()  # checks the drafter's options where they enter
-    return settings
+    NgramDrafter(args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max)  # checks the options
+    draft_model = args.draft_model
+    if args.speculative in DRAFT_CHECKPOINT_METHODS:
+        if draft_model is None and model_dir == DEFAULT_MODEL_DIR:
+            draft_model = DEFAULT_MODEL_DIR / args.speculative
+        if draft_model is None:
+            raise ValueError(f"speculative={args.speculative!r} needs draft_model (--draft-model DIR|ORG/NAME): "
+                             "the draft checkpoint")
+        draft_model, _ = resolve_model(draft_model, None, progress=progress)
+    elif draft_model is not None:
+        raise ValueError(f"draft_model is read by speculative='draft' or 'eagle3' only, not {args.speculative!r}")
+    return replace(settings, draft_model=draft_model)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

@@ -47,7 +47,9 @@ MAX_FAILED_STEPS = 3  # steps failing in a row: the engine is broken, not a requ
 class EngineStats:
     """What a core reports after each iteration: requests ``running`` and ``waiting``, the fraction
     of KV blocks in use, and running totals (prefix-cache lookups and hits in tokens, prompt tokens
-    admitted, tokens generated, drafted tokens verified and accepted)."""
+    admitted, tokens generated; speculative decoding's drafted tokens verified and accepted, the
+    verify entries that drafted, and per draft position the drafts accepted there), and the
+    speculative ``spec_decode_method`` ("" when off)."""
     running: int
     waiting: int
     kv_usage: float
@@ -57,13 +59,18 @@ class EngineStats:
     generation_tokens: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_accepted_per_position: tuple[int, ...] = ()
+    spec_decode_method: str = ""
 
     @classmethod
     def of(cls, engine) -> EngineStats:
         scheduler, bm = engine.scheduler, engine.block_manager
         return cls(len(scheduler.running), len(scheduler.waiting), 1 - bm.num_free_blocks / bm.num_blocks,
                    bm.num_prefix_queries, bm.num_prefix_hits, engine.num_prompt_tokens,
-                   engine.num_generation_tokens, scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+                   engine.num_generation_tokens, scheduler.num_draft_tokens, scheduler.num_accepted_tokens,
+                   scheduler.num_drafts, tuple(scheduler.num_accepted_per_position),
+                   engine.engine_config.speculative.method or "")
 
 
 class EngineCore:

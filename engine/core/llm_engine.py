@@ -99,12 +99,12 @@ class LLMEngine:
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.generation_config, self.config, self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.generation_config, GREEDY)
-        drafter = c.speculative.drafter()
-        if drafter is not None:
+        if c.speculative.method is not None:
             log.info("speculative decoding runs synchronous steps (its drafts need every token on the host): "
                      "overlap is off")
         self.runner: Runner = (ModelRunner(c, self.tp, self.eos_token_ids) if c.model.model_class is not None
                        else HFModelRunner(c, self.tp))
+        drafter = c.speculative.drafter() or getattr(self.runner, "drafter", None)
         self.block_manager = BlockManager(self.runner.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
         self.scheduler = Scheduler(c.scheduler, self.block_manager, self.eos_token_ids, drafter, self._release)
         self.outputs = OutputProcessor(self.tokenizer, keeps_text=self.tp.rank == 0)
@@ -133,9 +133,12 @@ class LLMEngine:
         if c.scheduler.prefill_tokens_beside_decodes:
             steps += f", at most {c.scheduler.prefill_tokens_beside_decodes} prompt tokens beside decodes"
         spec = c.speculative
-        if spec.method is not None:
+        if spec.method == "ngram":
             steps += (f", n-gram speculation (k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}.."
                       f"{spec.prompt_lookup_max})")
+        elif spec.method is not None:
+            source = spec.draft_model or "the checkpoint's MTP layer"
+            steps += f", {spec.method} speculation (k={spec.num_speculative_tokens}, from {source})"
         runner = "transformers" if isinstance(r, HFModelRunner) else type(r.model).__name__
         tp_detail = f" ({all_reduce_path()} all-reduce)" if self.tp.size > 1 else ""
         return (f"agent-infer: {self.config.architecture} ({runner}) from {c.model.model_dir} | {c.model.dtype} on "

@@ -149,9 +149,13 @@ class Scheduler:
     last ``schedule()`` preempted. ``on_free(seq)`` is called for every sequence whose blocks it
     frees (finished, or preempted), once no step in flight holds it: the engine drops its runner
     state there.
-    ``drafter``: speculative decoding's proposer, any object with ``propose(seq, max_tokens) ->
-    list[int]`` (at most ``max_tokens`` tokens to follow ``seq.token_ids``; None: no drafts);
-    ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted.
+    ``drafter``: speculative decoding's proposer, any object with ``num_speculative_tokens`` and
+    ``propose(seqs, rooms) -> list[list[int]]`` (per sequence at most ``rooms[i]`` tokens, never
+    more than ``num_speculative_tokens``, to follow ``seqs[i].token_ids``, whose slots it holds;
+    None: no drafts);
+    ``num_draft_tokens`` / ``num_accepted_tokens`` count the drafted tokens verified and accepted,
+    ``num_drafts`` the verify entries with drafts, ``num_accepted_per_position[j]`` those whose
+    draft token ``j`` was accepted.
     ``settings``'s limits (``SchedulerSettings``) are copied onto the scheduler's attributes
     (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_tokens_beside_decodes``,
     ``max_model_len``, ``admission``), plain attributes read at every ``schedule()``: a caller may
@@ -183,7 +187,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0
+        # entry j: drafts whose token at position j (0-based) was accepted
+        self.num_accepted_per_position = [0] * (drafter.num_speculative_tokens if drafter else 0)
         self.needs_drain = False
         self._unfinished: dict[str, Sequence] = {}  # waiting and running, by request id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed, oldest first
@@ -278,6 +284,9 @@ class Scheduler:
                 seq.num_accepted_tokens += accepted
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += accepted
+                self.num_drafts += bool(draft)
+                for position in range(accepted):
+                    self.num_accepted_per_position[position] += 1
                 for new, token in enumerate(sampled[:accepted + 1], start=1):
                     seq.output_token_ids.append(token)
                     reason = self._finish_reason(seq, token)
@@ -423,25 +432,34 @@ class Scheduler:
         """Give the batch's entries (its decodes, before any prefill joins) drafted tokens, oldest
         first, while the token budget and free blocks last: at most what keeps the step within
         ``max_tokens`` and ``max_model_len`` once every draft is accepted. Requests with penalties,
-        logprobs or constraints that read the output take none. A draft goes to ``batch.drafts[i]``
-        and adds to ``batch.num_tokens[i]`` only: ``seq.num_computed_tokens`` keeps counting the
-        entry's own token until ``postprocess`` adds the accepted drafts; the blocks for the drafted
-        positions come from ``BlockManager.take_slots``."""
+        logprobs or constraints that read the output take none. Each drafting entry's blocks for
+        its room come from ``BlockManager.take_slots`` before the drafter runs (a model drafter
+        writes its own KV there), and those its draft leaves unused go back
+        (``release_slots``). A draft goes to ``batch.drafts[i]`` and adds to
+        ``batch.num_tokens[i]`` only: ``seq.num_computed_tokens`` keeps counting the entry's own
+        token until ``postprocess`` adds the accepted drafts."""
         budget = self.max_num_batched_tokens - batch.total_tokens
+        entries, rooms = [], []
         for i, (seq, start) in enumerate(zip(batch.seqs, batch.starts)):
             params = seq.sampling_params
             # the step samples len(draft) + 1 tokens; num_tokens already counts the first
-            room = min(budget, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            room = min(budget, self.drafter.num_speculative_tokens, params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens)
             if room <= 0 or params.penalized or params.logprobs is not None or params.reads_output:
                 continue
-            draft = self.drafter.propose(seq, room)[:room]
-            if not draft:
-                continue
-            held = self.block_manager.take_slots(seq, start + 1 + len(draft))
-            draft = draft[:held - start - 1]  # cut to the blocks there were (none taken for an empty one)
+            room = min(room, self.block_manager.take_slots(seq, start + 1 + room) - start - 1)
+            if room > 0:
+                entries.append(i)
+                rooms.append(room)
+                budget -= room
+        if not entries:
+            return
+        drafts = self.drafter.propose([batch.seqs[i] for i in entries], rooms)
+        for i, room, draft in zip(entries, rooms, drafts):
+            draft = draft[:room]
+            self.block_manager.release_slots(batch.seqs[i], batch.starts[i] + 1 + len(draft))
             batch.drafts[i] = draft
             batch.num_tokens[i] += len(draft)
-            budget -= len(draft)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the front of the waiting queue, keeping its

@@ -1,11 +1,13 @@
 """Speculative decoding's drafters: tokens proposed for a running sequence, which the target
 model then verifies in one forward (``engine.scheduling.scheduler``: verify entries and acceptance).
 
-A drafter is any object with ``propose(seq, max_tokens) -> list[int]``: at most ``max_tokens``
-tokens (possibly none) that may follow ``seq.token_ids``, a deterministic function of them, so
-every TP rank proposes the same drafts from the same tokens and only the sampled ids need to
-travel (rank 0 samples and broadcasts them). A model-based drafter (EAGLE heads, DeepSeek-V3's
-MTP layer) that drafts greedily fits the same interface; none is built yet.
+A drafter is any object with ``num_speculative_tokens`` (the most it drafts for one sequence) and
+``propose(seqs, rooms) -> list[list[int]]``: per sequence at most ``rooms[i]`` tokens (possibly
+none) that may follow ``seqs[i].token_ids``, a deterministic function of them, so every TP rank
+proposes the same drafts from the same tokens and only the sampled ids need to travel (rank 0
+samples and broadcasts them). The scheduler has taken each sequence's slots for its room before
+it asks. The model-based drafters (a draft model, EAGLE-3, DeepSeek's MTP layer:
+``engine.worker.drafting``) draft greedily on the device behind the same interface.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from array import array
 
 from engine.scheduling.sequence import Sequence
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle3", "mtp")
+DRAFT_CHECKPOINT_METHODS = ("draft", "eagle3")  # read a checkpoint of their own (--draft-model)
 MAX_SPECULATIVE_TOKENS = 16
 INT32 = array("i").itemsize
 
@@ -37,8 +40,8 @@ class NgramDrafter:
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return self.lookup(seq.token_ids, min(max_tokens, self.num_speculative_tokens))
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.token_ids, min(room, self.num_speculative_tokens)) for seq, room in zip(seqs, rooms)]
 
     def lookup(self, tokens: list[int], num: int) -> list[int]:
         """Up to ``num`` tokens that followed the latest earlier occurrence of the longest

@@ -50,6 +50,7 @@ from engine.model.models.registry import build_model
 from engine.scheduling.sequence import Sequence
 from engine.scheduling.step import ScheduledBatch
 from engine.worker.device_copy import to_device_packed
+from engine.worker.drafting import MODEL_METHODS, ModelDrafter
 from engine.worker.forward_batch import DecodeInputs, ForwardBatch, SamplingPlan
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_cache import bind_kv_cache, free_memory_bytes, kv_bytes_per_token, plan_num_blocks
@@ -93,6 +94,10 @@ class ModelRunner:
     ``graph_replays`` counts the decode steps that replayed one. The persistent ``input_batch``
     has 2 x ``max_num_seqs`` rows: with overlapped steps a finished sequence keeps its row until
     the step in flight that holds it is read back, while as many new ones take rows.
+    ``drafter``: with a model drafter (``config.speculative.method`` in ``MODEL_METHODS``) its
+    ``ModelDrafter``, built beside the target (the pool is sized for both networks' caches, with one
+    block count) and given every forward (``extend``); the scheduler drafts through it. Its head
+    reads the target's captured features, so such a runner captures no piecewise prefill graphs.
     """
 
     def __init__(self, config: EngineConfig, tp: TPGroup, eos_token_ids=frozenset()):
@@ -109,16 +114,25 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = unique_parameter_bytes(self.model)
 
+        self.drafter = None
+        if config.speculative.method in MODEL_METHODS:
+            self.drafter = ModelDrafter(config, self)
+            prefill_graph_tokens = prefill_graph_tokens if not self.drafter.reads_features else 0
+
         if config.cache.budget_bytes is not None:
             free_bytes, utilization = config.cache.budget_bytes, 1.0
         else:
             free_bytes = max(0, free_memory_bytes(device) - config.cache.reserve_bytes)
             utilization = config.cache.mem_utilization
         self.kv_cache_dtype = kv_cache_dtype or dtype
-        num_blocks = plan_num_blocks(kv_bytes_per_token(self.model, self.kv_cache_dtype), block_size, max_num_seqs,
-                                     max_model_len, free_bytes, utilization)
+        bytes_per_token = kv_bytes_per_token(self.model, self.kv_cache_dtype)
+        if self.drafter is not None:  # the draft network's caches share the pool's blocks
+            bytes_per_token += self.drafter.kv_bytes_per_token(self.kv_cache_dtype)
+        num_blocks = plan_num_blocks(bytes_per_token, block_size, max_num_seqs, max_model_len, free_bytes, utilization)
         self.num_blocks = broadcast_object(num_blocks)  # every rank holds the same pool
         self.kv_caches = bind_kv_cache(self.model, self.num_blocks, block_size, self.kv_cache_dtype, device)
+        if self.drafter is not None:
+            self.drafter.bind()
 
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         # A running sequence holds a row until it is released, which for a finished one waits for the
@@ -135,7 +149,8 @@ class ModelRunner:
         self._staging_copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._staging_index = 0
         self.decode_tables = torch.zeros(max_rows, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode tokens -> (graph, logits)
+        # decode tokens -> (graph, logits, the target's captured features: None unless a drafter reads them)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.graph_replays = 0
         self.prefill_graphs = None
         if (cuda_graphs or prefill_graph_tokens) and device.type != "cuda":
@@ -151,7 +166,7 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
-    def _on_device(self):
+    def on_device(self):
         """Make this runner's GPU current for the caller's thread (a new thread starts on cuda:0)."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
@@ -160,9 +175,11 @@ class ModelRunner:
         """Queue ``batch``'s forward and sampling without waiting for the device. ``previous``:
         the step launched before, whose sampled ids feed the tokens of ``batch`` the host does
         not know yet (required whenever ``batch`` holds such a token)."""
-        with self._on_device():
+        with self.on_device():
             step = self.prepare(batch, previous)
             logits = self.forward(step)
+            if self.drafter is not None:
+                self.drafter.extend(step)
             prompt = step.prompt_logprobs
             gathered = gather_prompt_logprobs(logits, prompt) if prompt is not None and self.tp.rank == 0 else None
             return LaunchedStep(batch, *self.sampling.sample(logits[:batch.num_logits_rows], step), prompt,
@@ -171,6 +188,8 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence's row (no-op if it holds none)."""
         self.input_batch.remove(seq)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     @property
     def held(self) -> list[str]:
@@ -209,8 +228,9 @@ class ModelRunner:
         eagerly (a padded ``decode_size`` step: every row; its last layer's MLP on the logits rows
         alone), and the LM head on the logits rows."""
         if step.graph_size is not None:
-            graph, logits = self.graphs[step.graph_size]
+            graph, logits, features = self.graphs[step.graph_size]
             graph.replay()
+            self.model.model.features = features
             self.graph_replays += 1
             return logits[:step.batch.num_logits_rows]
         with forward_context(step.attention):
@@ -375,7 +395,7 @@ class ModelRunner:
         """Capture one decode graph per batch size (largest first, one shared memory pool), each
         over the full block-table width so any context up to max_model_len replays it."""
         pool = self.graph_pool
-        with torch.inference_mode(), self._on_device():
+        with torch.inference_mode(), self.on_device():
             self._stage_decode(ScheduledBatch(), [], [], [], [], max(sizes), None)  # every column padding
             for size in sorted(sizes, reverse=True):
                 def step(size=size):
@@ -391,7 +411,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = step()
-                self.graphs[size] = (graph, logits)
+                self.graphs[size] = (graph, logits, self.model.model.features)
         torch.cuda.synchronize(self.device)
 
     def capture_prefill_graphs(self, limit: int) -> None:
@@ -411,7 +431,7 @@ class ModelRunner:
             with forward_context(contexts[size]):
                 return self.model(graphs.input_ids[:size], graphs.positions[:size])
 
-        with torch.inference_mode(), self._on_device():
+        with torch.inference_mode(), self.on_device():
             graphs.capture(run_model, self.graph_pool)
 
 

@@ -182,3 +182,34 @@ def test_keep_rows_reach_only_the_last_layer_and_give_the_full_models_rows():
         kept = model(ids, positions, keep)
     assert kept.shape[0] == 3
     assert_close(kept, full[keep], 1e-5, "hidden states at the kept rows", "3 layers, rows 11, 7, 3")
+
+
+def test_captured_features_are_the_residual_stream_entering_the_named_layers():
+    """With ``capture_layers`` (what a draft head reads) the model's ``features`` are, per token,
+    transformers' ``output_hidden_states[i]`` of each named layer in the named order (0: the
+    embedding; the number of layers: the final normed state), with or without keep_rows; the
+    hidden states it returns are unchanged."""
+    from transformers import Qwen3ForCausalLM
+
+    from engine.model.attention_context import forward_context
+    from phases.harness import prefill_context
+
+    cfg = engine_config("Qwen3ForCausalLM", num_hidden_layers=3)
+    model = DenseForCausalLM(cfg, TPGroup())
+    hf = Qwen3ForCausalLM(hf_config("Qwen3ForCausalLM", num_hidden_layers=3)).eval()
+    randomize_weights(hf, seed=13)
+    load_from_hf(model, hf, PACKED)
+    bind_kv_cache(model, 4, 16, torch.float32, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(13))
+    positions, ctx = prefill_context([10], [0], [[0]], 16, "cpu")
+    with torch.no_grad():
+        out = hf.model(ids[None], output_hidden_states=True)
+        with forward_context(ctx):
+            plain = model(ids, positions)
+        model.model.capture_layers = (2, 0, 3)
+        for keep in (None, torch.tensor([9, 4])):
+            with forward_context(ctx):
+                hidden = model(ids, positions, keep)
+            expected = torch.cat([out.hidden_states[2][0], out.hidden_states[0][0], out.last_hidden_state[0]], -1)
+            assert_close(model.model.features, expected, 1e-5, "captured features", "layers 2, 0 and the final norm")
+            assert_close(hidden, plain if keep is None else plain[keep], 1e-5, "hidden states", "while capturing")

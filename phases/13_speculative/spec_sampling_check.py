@@ -65,10 +65,13 @@ def next_token_logits(model, prefix: list[int], continuations: torch.Tensor, chu
     return torch.cat(rows)
 
 
-def check_first_three_tokens(model, top_p: float) -> None:
-    """The check of the module docstring at ``top_p``, against ``model`` (transformers', float32)."""
-    engine = LLMEngine(speculative="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3,
-                       max_num_seqs=500, max_model_len=256)
+NGRAM = dict(speculative="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def check_first_three_tokens(model, top_p: float, speculative: dict = NGRAM) -> None:
+    """The check of the module docstring at ``top_p``, against ``model`` (transformers', float32),
+    drafting by the ``speculative`` options of LLMEngine (two drafts)."""
+    engine = LLMEngine(**speculative, max_num_seqs=500, max_model_len=256)
     prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     params = [SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=3, seed=seed, ignore_eos=True)
               for seed in range(NUM_DRAWS)]

@@ -33,9 +33,9 @@ def test_propose_reads_the_sequence_and_respects_both_limits():
     drafter = NgramDrafter(3, prompt_lookup_min=2, prompt_lookup_max=3)
     seq = Sequence([1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=8))
     seq.output_token_ids = [3]
-    assert drafter.propose(seq, 8) == [4, 5, 1]  # [1, 2, 3] occurred at 0; three tokens at most
-    assert drafter.propose(seq, 2) == [4, 5]
-    assert drafter.propose(seq, 0) == []
+    assert drafter.propose([seq], [8]) == [[4, 5, 1]]  # [1, 2, 3] occurred at 0; three tokens at most
+    assert drafter.propose([seq], [2]) == [[4, 5]]
+    assert drafter.propose([seq], [0]) == [[]]
     assert drafter.lookup([1, 2, 3, 9], 3) == []  # no suffix of two tokens occurred before
 
 

@@ -13,7 +13,7 @@ serve       an HTTP client for a running ``python -m engine serve`` (streaming /
             compile ms (cold, cached) and host us per mask fill at 64 rows (``engine.entrypoints.bench.structured``)
 overlap     overlapped against synchronous engine steps on a simulated device (a fixed delay per
             step; the engine's host work is real): step, host and device ms per step (CPU, seconds)
-spec        speculative decoding (n-gram drafts) at B=1: a code-editing and a plain-completion
+spec        speculative decoding (--method ngram|draft|eagle3|mtp) at B=1: a code-editing and a plain-completion
             workload through a plain and a speculative engine (tokens per target forward, tok/s,
             acceptance), and a verify step's time against a decode step's (``engine.entrypoints.bench.spec``)
 
@@ -41,6 +41,7 @@ from pathlib import Path
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.entrypoints.bench.models import PRESETS
+from engine.scheduling.speculative import SPECULATIVE_METHODS
 
 SERVE_DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -95,6 +96,8 @@ def add_bench_command(commands) -> None:
     spec.add_argument("--num-requests", type=int, default=None,
                       help="requests of each workload (default: all 24 functions of "
                            "engine/entrypoints/bench/spec_workload.json)")
+    spec.add_argument("--method", dest="speculative", choices=SPECULATIVE_METHODS, default=None,
+                      help="the speculative method (the same as --speculative; default ngram)")
     spec.add_argument("--verify-context", type=int, default=512, help="context of the timed verify step (default 512)")
     spec.add_argument("--verify-steps", type=int, default=50, help="timed decode and verify steps (default 50)")
     serve.add_argument("--url", default=SERVE_DEFAULT_URL, help=f"server base URL (default {SERVE_DEFAULT_URL})")
@@ -315,7 +318,8 @@ def run_spec(engine, args: argparse.Namespace, report: dict) -> None:
     report["verify_step"] = spec.measure_verify_step(engine, args.num_speculative_tokens, args.verify_context,
                                                      args.verify_steps)
     if args.preset is None:
-        plain = LLMEngine(replace(EngineArgs.from_cli_args(args), speculative=None).create_engine_config())
+        plain_args = replace(EngineArgs.from_cli_args(args), speculative=None, draft_model=None)
+        plain = LLMEngine(plain_args.create_engine_config())
         report["workloads"] = spec.run_workloads(plain, engine, args.num_requests)
 
 

@@ -1,4 +1,5 @@
-"""``python -m engine bench spec``: speculative decoding (n-gram drafts) at B=1.
+"""``python -m engine bench spec``: speculative decoding (``--speculative``, alias ``--method``: ngram by
+default, or draft, eagle3, mtp) at B=1.
 
 Workloads (a checkpoint with a real tokenizer; default the demo model), each request alone,
 greedy, through a plain engine (the default: overlapped steps) and a speculative one:
@@ -15,7 +16,10 @@ forward of the target model; the prefill counts), tokens per forward, seconds an
 the speculative engine the drafted and accepted tokens, and whether its tokens equal the plain
 engine's (they must). The verify step: the time of a B=1 decode step against a verify step of
 the same sequence with k drafts (``--verify-context`` tokens of context; CUDA graphs unless
-``--enforce-eager``), median of ``--verify-steps``, and their ratio.
+``--enforce-eager``), median of ``--verify-steps``, and their ratio; with a model drafter
+(``--speculative draft|eagle3|mtp``) also the time of drafting k tokens (after a step that leaves
+it one position to catch up) and (drafting + verifying) / decoding: the step's cost that an
+acceptance must pay for.
 """
 from __future__ import annotations
 
@@ -107,21 +111,40 @@ def measure_verify_step(engine, num_drafts: int, context_len: int, steps: int) -
     bm.allocate(seq)
     if bm.take_slots(seq, context_len + num_drafts) < context_len + num_drafts:
         raise ValueError(f"the KV cache cannot hold {context_len + num_drafts} tokens")
+    drafter = getattr(runner, "drafter", None)
     times = {}
+
+    def median_ms(run, before=lambda: None) -> float:
+        samples = []
+        for i in range(steps + 3):  # the first three warm up
+            before()
+            start = time.perf_counter()
+            run()
+            if i >= 3:
+                samples.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(samples)
+
     try:
         for name, draft in (("decode", []), ("verify", [1] * num_drafts)):
             batch = ScheduledBatch([seq], [context_len - 1], [1 + len(draft)], [True], [draft])
-            samples = []
-            for i in range(steps + 3):  # the first three warm up
-                start = time.perf_counter()
-                runner.launch(batch).token_ids()
-                if i >= 3:
-                    samples.append(time.perf_counter() - start)
-            times[name] = 1e3 * statistics.median(samples)
+            times[name] = median_ms(lambda: runner.launch(batch).token_ids())
+        if drafter is not None:
+            # the step before a draft: a verify entry one position back, so the drafter catches up one position
+            before = ScheduledBatch([seq], [context_len - 2], [1 + num_drafts], [True], [[1] * num_drafts])
+
+            def last_step():
+                runner.launch(before).token_ids()
+                drafter.kv_len[seq.request_id] = context_len - 2
+
+            times["draft"] = median_ms(lambda: drafter.propose([seq], [num_drafts]), last_step)
     finally:
         runner.release(seq)
         bm.free(seq)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    return {"context_len": context_len, "num_drafts": num_drafts, "graphs": bool(getattr(runner, "graphs", None)),
-            "decode_ms": times["decode"], "verify_ms": times["verify"], "ratio": times["verify"] / times["decode"]}
+    report = {"context_len": context_len, "num_drafts": num_drafts, "graphs": bool(getattr(runner, "graphs", None)),
+              "decode_ms": times["decode"], "verify_ms": times["verify"], "ratio": times["verify"] / times["decode"]}
+    if drafter is not None:
+        report.update(method=drafter.method, draft_ms=times["draft"],
+                      draft_and_verify_ratio=(times["draft"] + times["verify"]) / times["decode"])
+    return report

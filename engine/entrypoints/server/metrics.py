@@ -31,11 +31,16 @@ ENGINE_METRICS = {
     "prefix_hits": ("prefix_cache_hits", CounterMetricFamily, "Prompt tokens found in the prefix cache."),
     "prompt_tokens": ("prompt_tokens", CounterMetricFamily, "Prompt tokens of the requests admitted."),
     "generation_tokens": ("generation_tokens", CounterMetricFamily, "Tokens generated."),
-    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", CounterMetricFamily,
-                                     "Drafted tokens verified (speculative decoding)."),
-    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", CounterMetricFamily,
+}
+# speculative decoding's counters, labelled with its method (and per core, as the others)
+SPEC_METRICS = {
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verify entries that drafted (speculative decoding)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Drafted tokens verified (speculative decoding)."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
                                         "Drafted tokens accepted (speculative decoding)."),
 }
+PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",
+                "Drafts accepted at each draft position, 0 first (speculative decoding).")
 
 
 class _EngineCollector:
@@ -54,6 +59,20 @@ class _EngineCollector:
             for (core, _), value in zip(cores, values):
                 metric.add_metric([str(core)], value)
             yield metric
+        method = next((stats.spec_decode_method for _, stats in cores if stats.spec_decode_method), "")
+        if not method:
+            return
+        for field, (name, help_text) in SPEC_METRICS.items():
+            metric = CounterMetricFamily(PREFIX + name, help_text, labels=["method", "core"])
+            values = [getattr(stats, field) for _, stats in cores]
+            metric.add_metric([method], sum(values))
+            for (core, _), value in zip(cores, values):
+                metric.add_metric([method, str(core)], value)
+            yield metric
+        metric = CounterMetricFamily(PREFIX + PER_POSITION[0], PER_POSITION[1], labels=["method", "position"])
+        for position, counts in enumerate(zip(*(stats.spec_decode_num_accepted_per_position for _, stats in cores))):
+            metric.add_metric([method, str(position)], sum(counts))
+        yield metric
 
 
 class ServerMetrics:
@@ -81,7 +100,7 @@ class ServerMetrics:
         now = time.monotonic()
         if now - self._stats_at >= self.stats_interval_s:
             total = {f.name: sum(getattr(s, f.name) for s in self.stats.values())
-                     for f in dataclasses.fields(EngineStats)}
+                     for f in dataclasses.fields(EngineStats) if f.type in ("int", "float")}
             tokens = (total["prompt_tokens"], total["generation_tokens"])
             if total["running"] or total["waiting"] or tokens != self._stats_tokens:
                 seconds = now - self._stats_at

@@ -19,17 +19,19 @@ class GQAAttention(nn.Module):
     """hidden [T, H] -> [T, H]: one QKV GEMM; (Qwen3) per-head q/k RMSNorm (eps
     ``config.rms_norm_eps``, as transformers'), neox RoPE and the
     K/V cache write in one op (``kernels.qk_norm_rope_store``); paged attention; o_proj with
-    one all-reduce. Attention is full causal: a checkpoint with a sliding window that can bind
+    one all-reduce. ``input_size``: the width of ``hidden`` (default ``config.hidden_size``; an
+    EAGLE-3 head's layer reads its embedding and hidden state side by side, twice that).
+    Attention is full causal: a checkpoint with a sliding window that can bind
     (``config.sliding_window``) is refused here, never run as if it had none."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+    def __init__(self, config: ModelConfig, tp: TPGroup, input_size: int | None = None):
         super().__init__()
         if config.sliding_window is not None:
             raise ValueError(f"sliding_window = {config.sliding_window} in config.json ({config.architecture}): "
                              "sliding-window attention is not implemented (attention here is full causal, which "
                              f"differs once a context exceeds {config.sliding_window} tokens); use --backend hf")
         d = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.qkv_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, bias=False, tp=tp)

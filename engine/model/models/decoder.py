@@ -45,21 +45,39 @@ class DecoderModel(nn.Module):
     """``(input_ids [T], positions [T], keep_rows [R] | None) -> hidden [T or R, H]``: embedding, the
     layers, final norm. ``keep_rows``: only these rows' hidden states are wanted (a prefill step's
     logits rows), so the last layer runs its MLP, and the final norm runs, on them alone; every
-    layer's attention still sees (and caches) every row."""
+    layer's attention still sees (and caches) every row.
+
+    ``capture_layers`` (set by a drafter; empty by default): after each forward, ``features``
+    [T, len(capture_layers) x H] holds, for every token, the residual stream entering each listed
+    layer (``i``: hidden + residual before layer ``i``, the embedding for 0; transformers'
+    ``output_hidden_states[i]``), concatenated in the listed order; ``len(layers)`` names the final
+    norm's output (for it the last layer and the norm run on every row, and ``keep_rows`` is
+    applied after them). None when nothing is captured."""
 
     def __init__(self, config: ModelConfig, layers: Iterable[DecoderLayer], tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capture_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
+        captured = {}
+        final = len(self.layers) in self.capture_layers
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, keep_rows if i == last else None)
+            if i in self.capture_layers:
+                captured[i] = hidden.clone() if residual is None else hidden + residual  # the norms add in place
+            hidden, residual = layer(positions, hidden, residual, keep_rows if i == last and not final else None)
         hidden, _ = self.norm(hidden, residual)
+        if final:
+            captured[len(self.layers)] = hidden
+            if keep_rows is not None:
+                hidden = hidden.index_select(0, keep_rows)
+        self.features = torch.cat([captured[i] for i in self.capture_layers], -1) if captured else None
         return hidden
 
 

@@ -31,6 +31,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     ``max_graph_batch``: CUDA graphs are captured only up to ``DENSE_MAX_TOKENS``, the batch
     sizes whose MoE paths never read the host; the grouped path beyond reads its group ends
     on the host wherever torch's grouped GEMM falls back to a loop (all but bf16 on sm90).
+    A DeepSeek-V3 checkpoint's multi-token prediction layers (``num_nextn_predict_layers``, stored
+    as layers ``num_hidden_layers`` on) are not this model's: skipped here, loaded by
+    ``draft_heads.DeepseekMTPLayer`` for ``speculative="mtp"``.
     """
 
     max_graph_batch = DENSE_MAX_TOKENS
@@ -44,3 +47,5 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().__init__(config, (DeepseekV2DecoderLayer(config, ds, i, tp, ep)
                                   for i in range(config.num_hidden_layers)), tp)
         self.deepseek = ds
+        nextn = config.raw.get("num_nextn_predict_layers") or 0
+        self.checkpoint_prefixes = {f"model.layers.{config.num_hidden_layers + i}.": None for i in range(nextn)}
