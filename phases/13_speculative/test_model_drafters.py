@@ -156,3 +156,22 @@ def test_shipped_drafters_pay_on_held_out_continuations():
     assert results["draft"][0] == results[None][0] and results["eagle3"][0] == results[None][0]
     assert results["eagle3"][1] >= 2.0, results["eagle3"][1]
     assert results["draft"][1] >= 1.6, results["draft"][1]
+
+
+def test_draft_options_are_checked_where_they_enter(drafters, tmp_path):
+    """A draft checkpoint is needed by draft and eagle3 (the demo model's shipped ones by default),
+    read by nothing else; a draft model of another vocabulary, a head reading a layer the target
+    lacks and an MTP run on a checkpoint without MTP layers are errors naming what is wrong."""
+    qwen, options, _ = drafters["eagle3"]
+    with pytest.raises(ValueError, match="draft_model"):
+        LLMEngine(qwen, speculative="eagle3", **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="draft_model"):
+        LLMEngine(qwen, speculative="ngram", draft_model=options["draft_model"], **ENGINE_ARGS)
+    other = make_tiny_checkpoint(tmp_path / "other-vocab", "Qwen3ForCausalLM", seed=9, vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLMEngine(qwen, speculative="draft", draft_model=str(other), **ENGINE_ARGS)
+    far = make_eagle3_head(tmp_path / "far", qwen, layer_ids=[0, 1, 4])
+    with pytest.raises(ValueError, match=r"3 target layers in \[0, 4\)"):
+        LLMEngine(qwen, speculative="eagle3", draft_model=str(far), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        LLMEngine(qwen, speculative="mtp", **ENGINE_ARGS)
