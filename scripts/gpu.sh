@@ -27,7 +27,7 @@ prefill     the prefill kernels beside SDPA, Qwen3-8B TTFT of 128 and 4,096 toke
 throughput  Qwen3-8B offline throughput (nano-vllm's shape): default, 384 prompt tokens beside decodes, --no-overlap
 serve       the demo server through every API (the smoke), then bench serve c=64: default, step budgets, caps
 structured  bench serve --structured json_schema,tools at c=64: constrained beside plain (TOKENIZER: its vocabulary)
-spec        phase 13's cuda tests, the Qwen3-8B verify step of k=4 drafts, the demo model with and without drafts
+spec        phase 13's cuda tests, the Qwen3-8B verify step of k=4 drafts (and drafting by a random EAGLE-3 head), the demo model's drafters
 kernels     bench_kernels.py, bench_dispatch.py, bench_floors.py, bench_runner_host.py, bench_fp8.py gemm/gemv/sweep
 gate11      python -m gates run --only 11: the perf gate against the committed baseline (alone on the host)
 baseline    phases/11_performance/baseline.json recorded by the short benchmark, then the perf gate's tests on it
@@ -313,10 +313,19 @@ sec_structured() {
 }
 
 sec_spec() {
-    part spec_tests 60 "${PYTEST[@]}" phases/13_speculative
+    part spec_tests 120 "${PYTEST[@]}" phases/13_speculative
     part spec_verify_qwen3_8b 100 python3 -m engine bench spec --preset qwen3-8b --random-weights \
         --num-speculative-tokens 4 --verify-context 512 --verify-steps 100 --output "$OUT/spec_verify_qwen3_8b.json"
+    part spec_eagle3_head_qwen3_8b 90 python3 scripts/random_eagle3_head.py --preset qwen3-8b \
+        --out build/eagle3_qwen3_8b
+    part spec_eagle3_qwen3_8b 120 python3 -m engine bench spec --preset qwen3-8b --random-weights --method eagle3 \
+        --draft-model build/eagle3_qwen3_8b --num-speculative-tokens 4 --verify-context 512 --verify-steps 100 \
+        --output "$OUT/spec_eagle3_qwen3_8b.json"
     part spec_demo 80 python3 -m engine bench spec --num-speculative-tokens 4 --output "$OUT/spec_demo.json"
+    part spec_demo_draft 80 python3 -m engine bench spec --method draft --num-speculative-tokens 4 \
+        --output "$OUT/spec_demo_draft.json"
+    part spec_demo_eagle3 80 python3 -m engine bench spec --method eagle3 --num-speculative-tokens 4 \
+        --output "$OUT/spec_demo_eagle3.json"
 }
 
 sec_kernels() {

@@ -28,10 +28,12 @@ and ``_b1_graphs_fp8kv_...`` with an FP8 KV cache), with ``<model>`` the
 preset: ``qwen3_8b``, ``dsv2_lite``, ... and ``_fp8`` after it for an FP8 run
 (``qwen3_8b_fp8_b1_graphs_tok_s``); a run with synchronous steps (``--no-overlap``, the peer of
 the overlapped default) adds ``_no_overlap`` before the unit (``qwen3_8b_b1_graphs_no_overlap_tok_s``);
-``spec_ngram_<workload>_tokens_per_forward`` (bench spec
-on a checkpoint, greedy: output tokens per target-model forward with n-gram drafts, the plain
-engine's forwards as peer), ``demo_spec_ngram_<workload>_b1_tok_s`` (the same run's tok/s, on a
-GPU) and ``<model>_spec_verify_k<K>_ratio`` (a B=1 verify step of K drafts over a decode step);
+``spec_<method>_<workload>_tokens_per_forward`` (bench spec
+on a checkpoint, greedy: output tokens per target-model forward with the method's drafts — ngram,
+draft, eagle3, mtp — the plain engine's forwards as peer), ``demo_spec_<method>_<workload>_b1_tok_s``
+(the same run's tok/s, on a GPU), ``<model>_spec_verify_k<K>_ratio`` (a B=1 verify step of K drafts
+over a decode step) and, for a model drafter, ``<model>_spec_<method>_draft_verify_k<K>_ratio``
+(drafting K tokens plus the verify step, over a decode step);
 from ``bench serve --structured`` (a preset, every request of both sides completed and every
 constrained answer valid): ``<model>_structured_vs_plain_throughput_ratio`` (json_schema) and
 ``<model>_tools_vs_plain_throughput_ratio`` (a forced tool call), constrained over plain output
@@ -187,21 +189,26 @@ def _floors(report: dict) -> dict:
 
 
 def _spec(report: dict) -> dict:
+    method = report["settings"].get("speculative") or "ngram"
     figures = {}
     for workload, run in report.get("workloads", {}).items():
         spec, plain = run["spec"], run["plain"]
         peer = {"plain_forwards": plain["forwards"], "spec_forwards": spec["forwards"],
                 "output_tokens": spec["output_tokens"], "acceptance_rate": spec["acceptance_rate"],
                 "same_tokens": run["same_tokens"]}
-        figures[f"spec_ngram_{workload}_tokens_per_forward"] = _figure(
+        figures[f"spec_{method}_{workload}_tokens_per_forward"] = _figure(
             spec["tokens_per_forward"], "tokens/forward", f"workloads.{workload}.spec.tokens_per_forward", peer)
-        figures[f"demo_spec_ngram_{workload}_b1_tok_s"] = _figure(
+        figures[f"demo_spec_{method}_{workload}_b1_tok_s"] = _figure(
             spec["tok_s"], "tok/s", f"workloads.{workload}.spec.tok_s", {"plain_tok_s": plain["tok_s"]})
     verify = report["verify_step"]
     if report["model"]["source"].startswith("preset "):
-        figures[f"{model_name(_preset(report))}_spec_verify_k{verify['num_drafts']}_ratio"] = _figure(
-            verify["ratio"], "x", "verify_step.ratio", {k: verify[k] for k in ("decode_ms", "verify_ms", "graphs",
-                                                                               "context_len")})
+        model, k = model_name(_preset(report)), verify["num_drafts"]
+        peer = {key: verify[key] for key in ("decode_ms", "verify_ms", "graphs", "context_len")}
+        figures[f"{model}_spec_verify_k{k}_ratio"] = _figure(verify["ratio"], "x", "verify_step.ratio", peer)
+        if "draft_ms" in verify:  # a model drafter: drafting k tokens and verifying them, over a decode step
+            figures[f"{model}_spec_{method}_draft_verify_k{k}_ratio"] = _figure(
+                verify["draft_and_verify_ratio"], "x", "verify_step.draft_and_verify_ratio",
+                {**peer, "draft_ms": verify["draft_ms"]})
     return figures
 
 
@@ -260,7 +267,7 @@ def _serve(report: dict) -> dict:
 
 MAPPERS = {"latency": _latency, "throughput": _throughput, "short": _short, "floors": _floors, "spec": _spec,
            "serve": _serve}
-DEVICE_FREE = re.compile(r"spec_ngram_\w+_tokens_per_forward")
+DEVICE_FREE = re.compile(r"spec_(ngram|draft|eagle3|mtp)_\w+_tokens_per_forward")
 
 
 def figures_of(report: dict) -> dict:
@@ -294,9 +301,11 @@ GROUPS = {  # key: (heading, what it holds and how it is measured)
               "tok/s, ITL median and p99, TTFT p99; `_budget<B>` a step token budget other than the default, "
               "`_beside<N>` a cap of N prompt tokens beside decodes. Device runs: `bash scripts/gpu.sh serve`, "
               "`fp8`."),
-    "speculative": ("Speculative decoding", "`python -m engine bench spec` (n-gram drafts, k = 4): tokens per target "
-                    "forward (no device changes them, so a CPU run records them), B=1 tok/s with the plain engine's "
-                    "as peer, and a verify step's cost over a decode step. Device run: `bash scripts/gpu.sh spec`."),
+    "speculative": ("Speculative decoding", "`python -m engine bench spec --method M` (k = 4; `spec_<M>_`: n-gram, "
+                    "draft model, EAGLE-3 head): tokens per target forward (no device changes them, so a CPU run "
+                    "records them), B=1 tok/s with the plain engine's as peer, a verify step's cost over a decode "
+                    "step, and for a model drafter drafting plus verifying over a decode step. Device run: "
+                    "`bash scripts/gpu.sh spec`."),
     "structured": ("Structured outputs under load", "`python -m engine bench serve --structured`: constrained over "
                    "plain output tok/s under the same load (`structured`: a json_schema, `tools`: a forced tool "
                    "call), with the grammar's costs as peers. Device run: `bash scripts/gpu.sh structured`."),
@@ -306,7 +315,7 @@ GROUPS = {  # key: (heading, what it holds and how it is measured)
     "other": ("Other figures", "Figures of no group above."),
 }
 GROUP_PATTERNS = {
-    "speculative": r"(demo_)?spec_ngram_\w+|\w+_spec_verify_k\d+_ratio",
+    "speculative": r"(demo_)?spec_(ngram|draft|eagle3|mtp)_\w+|\w+_spec_(\w+_draft_)?verify_k\d+_ratio",
     "structured": r"\w+_(structured|tools)_vs_plain_throughput\w*_ratio",
     "serve": r"\w+_serve_c\d+\w*",
     "throughput": r"\w+_throughput\w*",
@@ -382,7 +391,7 @@ def render_markdown(figures: dict) -> str:
         "device named, writes the JSON report it was read from; `python scripts/record_benchmarks.py "
         "REPORT.json` records it here. Models named by a preset (`qwen3_8b`, `llama3_8b`, `dsv2_lite`, ...) are "
         "full-size configurations with random bf16 weights made on the GPU (`--preset NAME --random-weights`; "
-        "`_fp8`: quantized at load); the `demo_` and `spec_ngram_` figures are the shipped demo model's. "
+        "`_fp8`: quantized at load); the `demo_` and `spec_<method>_` figures are the shipped demo model's. "
         "On a GPU machine `bash scripts/gpu.sh SECTION ...` runs the commands, a section per topic "
         "(`bash scripts/gpu.sh` lists them, `DRY_RUN=1` prints their commands), and records its reports "
         "into `$OUT/benchmarks.json` (and `$OUT/BENCHMARKS.md`) to copy back. How the figures are measured, "

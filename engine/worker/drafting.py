@@ -98,6 +98,7 @@ class ModelDrafter:
         self._last_features: torch.Tensor | None = None
         self._last_tokens: dict[str, tuple[int, list[int]]] = {}  # request id -> (first position, token rows)
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, drafts)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return kv_bytes_per_token(self.network, dtype)
@@ -180,22 +181,83 @@ class ModelDrafter:
             hidden = self.network.project(self._last_features.index_select(0, d["feature_rows"]))
         width = min(self.runner.max_blocks_per_seq, math.ceil((max(positions) + max(rooms)) / self.runner.block_size))
         next_ids, hidden = self._run(d["ids"], d["positions"], d["token_rows"], hidden, width, d["last"])
-        steps = [next_ids]
-        # steps 1..: one token per sequence, after its last; a sequence past its room writes nowhere
+        # steps 1..: one token per sequence after its last, replayed from a graph when one fits
         position = d["positions"].index_select(0, d["last"])
         room = torch.tensor(rooms, dtype=torch.int64).to(self.runner.device, non_blocking=True)
-        for j in range(1, max(rooms)):
-            active = room > j
-            position = torch.where(active, position + 1, position)
-            next_ids, hidden = self._run(next_ids, position, d["table_rows"], hidden, width, None, active)
-            steps.append(next_ids)
-        out = torch.stack(steps, 1).tolist()
+        size = min((b for b in self.graphs if b >= len(seqs)), default=None)
+        if size is None or max(rooms) == 1:
+            later = self._later_steps(next_ids, position, d["table_rows"], hidden, room, width, max(rooms))
+        else:
+            later = self._replay(size, next_ids, position, d["table_rows"], hidden, room)[:len(seqs)]
+        out = torch.cat([next_ids[:, None], later], 1).tolist()
         for i, r, k in zip(todo, out, rooms):
             drafts[i] = r[:k]
         for seq, (start, ids, _) in zip(seqs, first):
             if self.reads_features:
                 self.kv_len[seq.request_id] = start + len(ids)
         return drafts
+
+    def _later_steps(self, ids: torch.Tensor, position: torch.Tensor, table_rows: torch.Tensor,
+                     hidden: torch.Tensor | None, room: torch.Tensor, width: int, steps: int) -> torch.Tensor:
+        """Draft steps 1 .. ``steps - 1`` (device ops only, what a graph captures): each runs one
+        token per sequence at the position after its last, the previous step's draft as input; a
+        sequence whose ``room`` (drafts it may take) is used up stays where it is and writes
+        nowhere. int64 [S, steps - 1]."""
+        drafted = []
+        for j in range(1, steps):
+            active = room > j
+            position = torch.where(active, position + 1, position)
+            ids, hidden = self._run(ids, position, table_rows, hidden, width, None, active)
+            drafted.append(ids)
+        return torch.stack(drafted, 1) if drafted else ids.new_empty(len(ids), 0)
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """One CUDA graph per batch size in ``sizes`` of draft steps 1 .. k - 1 (``_later_steps``
+        over the whole table width, from static inputs; padding rows have no room and the padding
+        table row), in the runner's graph pool: a draft then costs its first step (eager: its
+        catch-up has a length of its own) and one replay."""
+        r, k, most = self.runner, self.num_speculative_tokens, max(sizes)
+        self._static = {"ids": torch.zeros(most, dtype=torch.int64, device=r.device),
+                        "position": torch.zeros(most, dtype=torch.int64, device=r.device),
+                        "table_rows": torch.full((most,), r.input_batch.pad_row, dtype=torch.int64, device=r.device),
+                        "room": torch.zeros(most, dtype=torch.int64, device=r.device),
+                        "hidden": (torch.zeros(most, self.network.hidden_size, dtype=r.dtype, device=r.device)
+                                   if self.reads_features else None)}
+        with torch.inference_mode(), r.on_device():
+            for size in sorted(sizes, reverse=True):
+                def steps(size=size):
+                    s = self._static
+                    return self._later_steps(s["ids"][:size], s["position"][:size], s["table_rows"][:size],
+                                             None if s["hidden"] is None else s["hidden"][:size], s["room"][:size],
+                                             r.max_blocks_per_seq, k)
+
+                side = torch.cuda.Stream(r.device)
+                side.wait_stream(torch.cuda.current_stream(r.device))
+                with torch.cuda.stream(side):
+                    steps()  # warm-up outside the capture
+                torch.cuda.current_stream(r.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=r.graph_pool):
+                    out = steps()
+                self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(r.device)
+
+    def _replay(self, size: int, ids: torch.Tensor, position: torch.Tensor, table_rows: torch.Tensor,
+                hidden: torch.Tensor | None, room: torch.Tensor) -> torch.Tensor:
+        """``_later_steps`` of ``len(ids)`` sequences by the graph of ``size`` rows (padding rows
+        take no room)."""
+        s, n = self._static, len(ids)
+        s["ids"][:n] = ids
+        s["position"][:n] = position
+        s["table_rows"][:n] = table_rows
+        s["table_rows"][n:size] = self.runner.input_batch.pad_row
+        s["room"][:n] = room
+        s["room"][n:size] = 0
+        if hidden is not None:
+            s["hidden"][:n] = hidden
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out
 
     def _first_step(self, seq: Sequence) -> tuple[int, list[int], list[int]] | None:
         """(first position, input ids, feature rows of the last step) of ``seq``'s first draft step,

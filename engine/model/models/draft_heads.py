@@ -12,7 +12,8 @@ A head's contract (``engine.worker.drafting.ModelDrafter`` drives it):
   position ``t`` it takes the embedding of token ``t + 1`` and the hidden state of position ``t``
   (projected target features, or the head's own ``prenorm`` of the position before when it drafts
   on) and predicts token ``t + 2``; ``prenorm`` feeds its next draft step;
-- ``draft_ids(normed, target) -> int64 [T]``: the greedy next token, in the target's vocabulary.
+- ``draft_ids(normed, target) -> int64 [T]``: the greedy next token, in the target's vocabulary;
+- ``hidden_size``: H.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"an EAGLE-3 head's config.json names {config.architecture!r}, not one of "
                              f"{', '.join(EAGLE3_ARCHITECTURES)}")
         self.capture_layers = eagle3_capture_layers(config, target_config.num_hidden_layers)
+        self.hidden_size = config.hidden_size
         target_hidden = config.raw.get("target_hidden_size") or target_config.hidden_size
         draft_vocab = config.raw.get("draft_vocab_size") or config.vocab_size
         self.fc = ReplicatedLinear(3 * target_hidden, config.hidden_size)
@@ -127,6 +129,7 @@ class DeepseekMTPLayer(DeepseekV2DecoderLayer):
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, eps)
         self.capture_layers = (num_layers,)
+        self.hidden_size = h
         mine = f"model.layers.{num_layers}."
         # dict order: the first matching prefix wins
         self.checkpoint_prefixes = {f"{mine}shared_head.head.": None, f"{mine}embed_tokens.": None, mine: "",
