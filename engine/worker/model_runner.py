@@ -159,10 +159,10 @@ class ModelRunner:
         if cuda_graphs:
             limit = min(max_rows, getattr(self.model, "max_graph_batch", max_rows))
             self.capture_decode_graphs(graph_batch_sizes(limit))
-            if self.drafter is not None:  # its draft steps after the first, one sequence per row
-                self.drafter.capture_graphs(graph_batch_sizes(min(max_num_seqs, limit)))
         if prefill_graph_tokens:  # after the decode graphs, whose logits hold their blocks of the shared pool
             self.capture_prefill_graphs(prefill_graph_tokens)
+        if cuda_graphs and self.drafter is not None:  # its draft steps after the first, one sequence per row
+            self.drafter.capture_graphs(graph_batch_sizes(min(max_num_seqs, limit)))
 
     @property
     def kv_cache_bytes(self) -> int:

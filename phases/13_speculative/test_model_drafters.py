@@ -85,8 +85,11 @@ def test_every_draft_is_the_references_greedy_token_and_decoding_is_lossless(dra
     ours = engine.generate_tokens(prompts, greedy)
     assert ours == LLMEngine(target, **args).generate_tokens(prompts, greedy)
     assert_no_block_leaks(engine)
-    if case in ("draft-self", "eagle3-demo", "draft-demo"):
-        assert engine.scheduler.num_accepted_tokens > engine.scheduler.num_draft_tokens / 3
+    drafted, accepted = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    if case == "draft-self":  # the target drafting for itself: (almost) every draft accepted
+        assert accepted >= 0.9 * drafted
+    elif "demo" in case:  # trained drafters: often accepted
+        assert accepted > drafted / 5
 
     reference = make_reference()
     checked = 0
