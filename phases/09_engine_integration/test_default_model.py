@@ -44,13 +44,13 @@ def engine():
 
 def test_default_model_is_shipped_and_small():
     """The demo model's checkpoint, and its two speculative drafters beside it (phase 13's: a draft
-    model and an EAGLE-3 head, scripts/train_demo_drafters.py), 25 MiB at most together."""
+    model and an EAGLE-3 head, scripts/train_demo_drafters.py), 30 MiB at most together."""
     files = sorted(p.relative_to(DEFAULT_MODEL_DIR).as_posix() for p in DEFAULT_MODEL_DIR.rglob("*") if p.is_file())
     checkpoint = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json"]
     assert files == sorted(checkpoint + [f"draft/{name}" for name in checkpoint]
                            + ["eagle3/config.json", "eagle3/model.safetensors"])
-    assert sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.rglob("*") if p.is_file()) <= 25 * 2**20
+    assert sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.rglob("*") if p.is_file()) <= 30 * 2**20
 
 
 def test_greedy_code_completions_equal_transformers(engine):
