@@ -189,7 +189,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0
         # entry j: drafts whose token at position j (0-based) was accepted
-        self.num_accepted_per_position = [0] * (drafter.num_speculative_tokens if drafter else 0)
+        self.num_accepted_per_position = [0] * (drafter.num_speculative_tokens if drafter is not None else 0)
         self.needs_drain = False
         self._unfinished: dict[str, Sequence] = {}  # waiting and running, by request id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed, oldest first
@@ -285,8 +285,10 @@ class Scheduler:
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += accepted
                 self.num_drafts += bool(draft)
+                per_position = self.num_accepted_per_position  # grows with a drafter set later
+                per_position.extend([0] * (accepted - len(per_position)))
                 for position in range(accepted):
-                    self.num_accepted_per_position[position] += 1
+                    per_position[position] += 1
                 for new, token in enumerate(sampled[:accepted + 1], start=1):
                     seq.output_token_ids.append(token)
                     reason = self._finish_reason(seq, token)

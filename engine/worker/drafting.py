@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from engine.scheduling.sequence import Sequence
     from engine.scheduling.step import ScheduledBatch
     from engine.worker.forward_batch import ForwardBatch
-    from engine.worker.model_runner import ModelRunner
 
 MODEL_METHODS = ("draft", "eagle3", "mtp")
 
@@ -79,11 +78,12 @@ def build_draft_network(config: EngineConfig, target: nn.Module, tp: TPGroup) ->
 class ModelDrafter:
     """Up to ``config.speculative.num_speculative_tokens`` drafts per sequence for the scheduler
     (``propose``) by the draft network of ``config.speculative.method`` (one of ``MODEL_METHODS``;
-    ``build_draft_network``) beside ``runner``'s target model (built, its pool not yet);
+    ``build_draft_network``) beside the target model of ``runner`` (the ``ModelRunner`` that builds
+    it: its model built, its pool not yet; not annotated, the runner module imports this one);
     ``bind()`` once the pool is sized. ``reads_features``: the head methods, whose layers the
     target captures."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner):
+    def __init__(self, config: EngineConfig, runner):
         method = config.speculative.method
         if method not in MODEL_METHODS:
             raise ValueError(f"a model drafter's method is one of {', '.join(MODEL_METHODS)}, not {method!r}")

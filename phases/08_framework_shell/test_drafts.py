@@ -22,19 +22,23 @@ EOS = 0
 
 
 class LookupDrafter:
-    """A drafter as the Scheduler takes one (``propose(seq, max_tokens)``): up to ``k`` tokens that
-    followed the latest earlier occurrence of the sequence's last 3, else 2, else 1 tokens."""
+    """A drafter as the Scheduler takes one (``num_speculative_tokens``, ``propose(seqs, rooms)``):
+    per sequence up to ``k`` tokens (and its room) that followed the latest earlier occurrence of
+    the sequence's last 3, else 2, else 1 tokens."""
 
     def __init__(self, k: int):
         self.num_speculative_tokens = k
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        tokens = seq.token_ids
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.token_ids, min(self.num_speculative_tokens, room)) for seq, room in zip(seqs, rooms)]
+
+    @staticmethod
+    def lookup(tokens: list[int], num: int) -> list[int]:
         for n in (3, 2, 1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
                 if len(tokens) > n and tokens[start:start + n] == tail:
-                    return tokens[start + n:start + n + min(self.num_speculative_tokens, max_tokens)]
+                    return tokens[start + n:start + n + num]
         return []
 
 

@@ -2,6 +2,7 @@
 recompute, reserve admission without, one step of lookahead (a step scheduled while the previous
 one is in flight), budgets, REJECTED, abort."""
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -647,7 +648,7 @@ def test_the_scheduler_keeps_what_it_is_given_as_attributes_read_every_step():
     next schedule() reads (max_num_seqs = 0 holds every request back; restored, they start)."""
     bm = BlockManager(16, 4)
     settings = SchedulerSettings(4, 64, 64)
-    drafter, freed = object(), Freed()
+    drafter, freed = SimpleNamespace(num_speculative_tokens=2), Freed()
     assert Scheduler(settings, bm, eos_token_id=EOS, drafter=drafter).drafter is drafter  # drafts are phase 13's
     sched = Scheduler(settings, bm, eos_token_id=[EOS, 3], on_free=freed, watermark=0.25)
     assert sched.settings is settings and sched.drafter is None and sched.on_free is freed

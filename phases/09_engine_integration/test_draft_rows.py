@@ -22,14 +22,17 @@ class KnowingDrafter:
     def __init__(self, plain: dict[tuple, list[int]], vocab_size: int, k: int = 4):
         self.plain, self.vocab_size, self.num_speculative_tokens, self.calls = plain, vocab_size, k, 0
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
-        done = len(seq.output_token_ids)
-        draft = list(self.plain[tuple(seq.prompt_token_ids)][done:done + min(self.num_speculative_tokens, max_tokens)])
-        self.calls += 1
-        if draft and self.calls % 3 == 0:
-            j = self.calls % len(draft)
-            draft[j] = (draft[j] + 1) % self.vocab_size
-        return draft
+    def propose(self, seqs, rooms: list[int]) -> list[list[int]]:
+        drafts = []
+        for seq, room in zip(seqs, rooms):
+            done = len(seq.output_token_ids)
+            draft = list(self.plain[tuple(seq.prompt_token_ids)][done:done + min(self.num_speculative_tokens, room)])
+            self.calls += 1
+            if draft and self.calls % 3 == 0:
+                j = self.calls % len(draft)
+                draft[j] = (draft[j] + 1) % self.vocab_size
+            drafts.append(draft)
+        return drafts
 
 
 def run(engine: LLMEngine, prompts, params) -> list[list[int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from itertools import zip_longest
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -70,7 +71,8 @@ class _EngineCollector:
                 metric.add_metric([method, str(core)], value)
             yield metric
         metric = CounterMetricFamily(PREFIX + PER_POSITION[0], PER_POSITION[1], labels=["method", "position"])
-        for position, counts in enumerate(zip(*(stats.spec_decode_num_accepted_per_position for _, stats in cores))):
+        per_core = (stats.spec_decode_num_accepted_per_position for _, stats in cores)
+        for position, counts in enumerate(zip_longest(*per_core, fillvalue=0)):
             metric.add_metric([method, str(position)], sum(counts))
         yield metric
 
