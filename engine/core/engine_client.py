@@ -250,7 +250,10 @@ class EngineClient:
     def _core_exited(self, core: int, reason: str, finish: str, failure: str | None) -> None:
         """``core`` ended (``failure``: why, None for a stop): no more submissions, its streams end
         as ``finish`` with ``reason``; a failed core fails the client (the cores left are stopped by
-        whoever stops the client)."""
+        whoever stops the client). ``failure`` is set first: whoever is refused after sees why."""
+        if failure is not None and self.failure is None:
+            self.failure = failure
+            log.error("engine core %d failed (%s): stopping", core, failure)
         self.drain(reason)
         with self._lock:
             self._exited[core] = True
@@ -258,9 +261,6 @@ class EngineClient:
             streams = [self._streams.pop(key) for key in ended]
         for stream in streams:
             stream.end(finish, reason)
-        if failure is not None and self.failure is None:
-            self.failure = failure
-            log.error("engine core %d failed (%s): stopping", core, failure)
         if (failure is not None or all(self._exited)) and self.on_exit is not None:
             try:
                 self.on_exit()
