@@ -227,6 +227,27 @@ def test_paged_decode_empty_context_gives_a_zero_row(target):
     assert_close(out[1:2], want, target.tol, "paged decode beside empty rows")
 
 
+@pytest.mark.parametrize("which,lens", [([0, 1, 0, 0, 2, 1, 0], [37, 20, 38, 40, 0, 23, 39]),
+                                         ([0, 0, 0, 0, 0], [36, 40, 37, 0, 39])])
+def test_paged_decode_rows_sharing_a_table(target, which, lens):
+    """Rows that share a block table (a verify step's tokens and a draft's catch-up are one
+    sequence's, each with its own context length), interleaved with other tables' rows, or all of
+    one table, and an empty row: each row equals float64 attention over its own context (the CPU
+    backend gathers a table's cache once for all its rows)."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, tables_of = 16, paged_case(12, 16, [40, 23, 9], gen)
+    tables = tables_of[which]
+    q = rand(gen, len(which), 8, 64, target=target)
+    k_cache, v_cache = (rand(gen, 12, block_size, 2, 64, target=target) for _ in range(2))
+    with poisoned_allocations():
+        out = target.ops.paged_decode_attention(q, k_cache, v_cache, tables.to(target.device),
+                                                torch.tensor(lens, dtype=torch.int32, device=target.device), 0.125)
+    assert torch.equal(out[lens.index(0)].float().cpu(), torch.zeros(8, 64))
+    want = decode_truth(q, k_cache, v_cache, tables, lens, 0.125, 64)
+    keep = [i for i, n in enumerate(lens) if n]
+    assert_close(out[keep], want[keep], target.tol, "paged decode, rows sharing tables")
+
+
 def test_paged_decode_query_in_two_parts_off_the_main_block(target):
     """``q_rope`` where the first part does not fill the head dim's main block (96 | 32 of 128, GQA):
     the same answer as the whole query (the Triton backend concatenates first)."""

@@ -11,9 +11,10 @@ greedy, through a plain engine (the default: overlapped steps) and a speculative
 - ``plain``: the first half of each function's lines, continued as long as the rest: little
   to copy.
 
-Per workload and engine: output tokens, target forwards (engine steps: each computes one
-forward of the target model; the prefill counts), tokens per forward, seconds and tok/s; for
-the speculative engine the drafted and accepted tokens, and whether its tokens equal the plain
+The engines take the requests in turn (a host whose speed drifts slows both alike). Per
+workload and engine: output tokens, target forwards (engine steps: each computes one forward of
+the target model; the prefill counts), tokens per forward, seconds and tok/s; for the
+speculative engine the drafted and accepted tokens, and whether its tokens equal the plain
 engine's (they must). The verify step: the time of a B=1 decode step against a verify step of
 the same sequence with k drafts (``--verify-context`` tokens of context; CUDA graphs unless
 ``--enforce-eager``), median of ``--verify-steps``, and their ratio; with a model drafter
@@ -59,42 +60,48 @@ def plain_workload() -> list[tuple[str, str]]:
     return items
 
 
-def run_workload(engine, items: list[tuple[str, str]]) -> tuple[dict, list[list[int]]]:
-    """Each (prompt, answer) alone, greedy, for the answer's token count + 8 tokens (EOS ends it
-    sooner); the figures and every request's tokens."""
+def run_request(engine, prompt: str, answer: str) -> dict:
+    """``prompt`` alone, greedy, for ``answer`` 's token count + 8 tokens (EOS ends it sooner): its
+    tokens, the target forwards it took, seconds, and the drafted and accepted tokens."""
     tokenizer = engine.tokenizer
-    tokens, forwards, outputs, drafted, accepted = 0, 0, [], 0, 0
-    start = time.perf_counter()
-    for prompt, answer in items:
-        params = SamplingParams(temperature=0.0, max_tokens=len(tokenizer.encode(answer)) + 8)
-        steps = engine.num_steps
-        rid = engine.add_request(tokenizer.encode(prompt, add_special_tokens=False), params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        out = engine.pop_request(rid)
-        forwards += engine.num_steps - steps
-        tokens += len(out.token_ids)
-        drafted, accepted = drafted + out.num_draft_tokens, accepted + out.num_accepted_tokens
-        outputs.append(out.token_ids)
-    seconds = time.perf_counter() - start
-    figures = {"requests": len(items), "output_tokens": tokens, "forwards": forwards,
+    params = SamplingParams(temperature=0.0, max_tokens=len(tokenizer.encode(answer)) + 8)
+    steps, start = engine.num_steps, time.perf_counter()
+    rid = engine.add_request(tokenizer.encode(prompt, add_special_tokens=False), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_request(rid)
+    return {"token_ids": out.token_ids, "forwards": engine.num_steps - steps, "seconds": time.perf_counter() - start,
+            "drafted": out.num_draft_tokens, "accepted": out.num_accepted_tokens}
+
+
+def workload_figures(engine, runs: list[dict]) -> dict:
+    """One engine's figures over its ``run_request`` results."""
+    tokens = sum(len(run["token_ids"]) for run in runs)
+    forwards, seconds = sum(run["forwards"] for run in runs), sum(run["seconds"] for run in runs)
+    figures = {"requests": len(runs), "output_tokens": tokens, "forwards": forwards,
                "tokens_per_forward": tokens / forwards, "seconds": seconds, "tok_s": tokens / seconds}
     if engine.scheduler.drafter is not None:
+        drafted, accepted = sum(run["drafted"] for run in runs), sum(run["accepted"] for run in runs)
         figures.update(draft_tokens=drafted, accepted_tokens=accepted, acceptance_rate=accepted / max(drafted, 1))
-    return figures, outputs
+    return figures
 
 
 def run_workloads(plain, spec, num_requests: int | None) -> dict:
-    """Both workloads through both engines (warmed up on one request first)."""
+    """Both workloads through both engines (warmed up on one request first), request by request
+    in turn (plain first on even requests, speculative first on odd ones), so that a host whose
+    speed drifts during the run slows both alike."""
     report = {}
     for name, items in (("edit", edit_workload()), ("plain", plain_workload())):
         items = items[:num_requests]
-        report[name] = {}
         for engine in (plain, spec):
-            run_workload(engine, items[:1])  # warm-up
-        plain_figures, plain_tokens = run_workload(plain, items)
-        spec_figures, spec_tokens = run_workload(spec, items)
-        report[name] = {"plain": plain_figures, "spec": spec_figures, "same_tokens": plain_tokens == spec_tokens,
+            run_request(engine, *items[0])  # warm-up
+        runs = {plain: [], spec: []}
+        for i, item in enumerate(items):
+            for engine in ((plain, spec) if i % 2 == 0 else (spec, plain)):
+                runs[engine].append(run_request(engine, *item))
+        plain_figures, spec_figures = workload_figures(plain, runs[plain]), workload_figures(spec, runs[spec])
+        same = [a["token_ids"] for a in runs[plain]] == [b["token_ids"] for b in runs[spec]]
+        report[name] = {"plain": plain_figures, "spec": spec_figures, "same_tokens": same,
                         "forwards_saved": 1 - spec_figures["forwards"] / plain_figures["forwards"],
                         "speedup": spec_figures["tok_s"] / plain_figures["tok_s"]}
     return report

@@ -81,17 +81,49 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_head_dim: int | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     if q_rope is not None:
         q = torch.cat([q, q_rope], dim=-1)
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    keys = k_cache[block_tables.clamp(min=0)].flatten(1, 2)  # [B, max_blocks * block_size, Hk, D]
-    values = keys[..., :v_head_dim] if v_cache is None else v_cache[block_tables.clamp(min=0)].flatten(1, 2)
-    grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    scores = torch.einsum("bhgd,bshd->bhgs", grouped_q, keys.float()) * softmax_scale
-    beyond_context = torch.arange(keys.shape[1], device=q.device) >= context_lens[:, None].long()
-    scores.masked_fill_(beyond_context[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgs,bshe->bhge", scores.softmax(-1), values.float())
-    out.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)  # softmax over nothing: 0/0 -> a zero row
-    return out.reshape(batch, num_heads, -1).to(q.dtype)
+    tables, rows, ranks, lens = _rows_by_table(block_tables, context_lens)
+    num_tables, width = lens.shape
+    if rows is None:
+        queries = q[:, None]
+    else:
+        queries = q.new_zeros(num_tables, width, *q.shape[1:])
+        queries[rows, ranks] = q
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [U, max_blocks * block_size, Hk, D], once per table
+        blocks = cache.index_select(0, tables.clamp(min=0).flatten())
+        return blocks.view(num_tables, -1, *cache.shape[2:]).float()
+
+    keys = gather(k_cache)
+    values = keys[..., :v_head_dim] if v_cache is None else gather(v_cache)
+    within_context = torch.arange(keys.shape[1], device=q.device) < lens[..., None].long()  # [U, width, S]
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2).float(), keys.transpose(1, 2),
+                                         values.transpose(1, 2), attn_mask=within_context[:, None],
+                                         scale=softmax_scale, enable_gqa=True).transpose(1, 2)
+    out = out.masked_fill((lens == 0)[..., None, None], 0.0)  # softmax over nothing: a zero row, never NaN
+    out = out[:, 0] if rows is None else out[rows, ranks]
+    return out.to(q.dtype)
+
+
+def _rows_by_table(block_tables: torch.Tensor, context_lens: torch.Tensor):
+    """The query rows of ``block_tables [B, W]`` grouped by table (a verify step's tokens, or a
+    draft's catch-up, share their sequence's), so that each table's cache is gathered once: (the
+    U distinct tables [U, W], each row's table [B], its rank among the rows of that table [B],
+    the context lengths [U, width] of each table's rows in rank order, 0 past its count). Rows and
+    ranks are None where no two rows share a table, and on a GPU (grouping reads sizes on the
+    host, which a CUDA graph cannot capture)."""
+    if block_tables.device.type == "cpu" and len(block_tables) > 1:
+        tables, rows = torch.unique(block_tables, dim=0, return_inverse=True)
+        if len(tables) == 1:  # one sequence's tokens (a B=1 verify step or catch-up)
+            return tables, rows, torch.arange(len(rows)), context_lens[None]
+        if len(tables) < len(block_tables):
+            order = torch.argsort(rows, stable=True)
+            counts = torch.bincount(rows, minlength=len(tables))
+            ranks = torch.empty_like(rows)
+            ranks[order] = torch.arange(len(rows)) - (counts.cumsum(0) - counts)[rows[order]]
+            lens = context_lens.new_zeros(len(tables), int(counts.max()))
+            lens[rows, ranks] = context_lens
+            return tables, rows, ranks, lens
+    return block_tables, None, None, context_lens[:, None]
 
 
 def expert_gemv(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
