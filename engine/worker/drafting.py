@@ -18,7 +18,9 @@ Two calls keep it in step with the target:
   slots taken for ``rooms`` drafts). The first draft step catches up (the head: positions
   ``[kv_len, n - 1)`` from the last step's features; the draft model: the newest token at
   ``n - 1``) and predicts the first draft; each further step runs one token per sequence (the
-  head feeding its own ``prenorm``), greedy; one device -> host copy at the end.
+  head feeding its own ``prenorm``), greedy; one host -> device copy before, one device -> host
+  copy at the end. Under CUDA graphs every step replays from one graph per batch size, the first
+  step padded to ``catch_up`` tokens a sequence (at most k + 1 for a head, 1 for a draft model).
 
 All steps are decode tokens of the paged decode kernel (each with its own context length, as a
 verify entry's), but ``extend``'s chunks, which run as prefill chunks over their cached prefix.
@@ -98,6 +100,8 @@ class ModelDrafter:
         self._last_features: torch.Tensor | None = None
         self._last_tokens: dict[str, tuple[int, list[int]]] = {}  # request id -> (first position, token rows)
         self.kv_caches: list[torch.Tensor] = []
+        # the most first-step tokens of a sequence: a head catches up the last step's accepted positions
+        self.catch_up = self.num_speculative_tokens + 1 if self.reads_features else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, drafts)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -165,44 +169,82 @@ class ModelDrafter:
         if not todo:
             return drafts
         seqs, rooms, first = [seqs[i] for i in todo], [rooms[i] for i in todo], [first[i] for i in todo]
-        table_rows = self.runner.input_batch.rows(seqs)
-        # step 0: every sequence's catch-up tokens as decode tokens, each attending to its own context
-        counts = [len(ids) for _, ids, _ in first]
-        last = [sum(counts[:i + 1]) - 1 for i in range(len(counts))]
-        positions = [p for start, ids, _ in first for p in range(start, start + len(ids))]
-        token_rows = [row for row, n in zip(table_rows, counts) for _ in range(n)]
-        host = {"ids": [t for _, ids, _ in first for t in ids], "positions": positions, "token_rows": token_rows,
-                "last": last, "table_rows": table_rows}
-        if self.reads_features:
-            host["feature_rows"] = [r for _, _, rows in first for r in rows]
-        d = to_device_packed({k: torch.tensor(v, dtype=torch.int64) for k, v in host.items()}, self.runner.device)
-        hidden = None
-        if self.reads_features:
-            hidden = self.network.project(self._last_features.index_select(0, d["feature_rows"]))
-        width = min(self.runner.max_blocks_per_seq, math.ceil((max(positions) + max(rooms)) / self.runner.block_size))
-        next_ids, hidden = self._run(d["ids"], d["positions"], d["token_rows"], hidden, width, d["last"])
-        # steps 1..: one token per sequence after its last, replayed from a graph when one fits
-        position = d["positions"].index_select(0, d["last"])
-        room = torch.tensor(rooms, dtype=torch.int64).to(self.runner.device, non_blocking=True)
         size = min((b for b in self.graphs if b >= len(seqs)), default=None)
-        if size is None or max(rooms) == 1:
-            later = self._later_steps(next_ids, position, d["table_rows"], hidden, room, width, max(rooms))
+        if max(len(ids) for _, ids, _ in first) > self.catch_up:  # never expected: the eager path takes any length
+            size = None
+        d = self._step_inputs(seqs, rooms, first, size)
+        features = None
+        if self.reads_features:
+            features = self._last_features.index_select(0, d.pop("feature_rows"))
+        if size is None:
+            positions = [start + len(ids) for start, ids, _ in first]
+            width = min(self.runner.max_blocks_per_seq,
+                        math.ceil((max(positions) - 1 + max(rooms)) / self.runner.block_size))
+            out = self._draft_steps(**d, features=features, valid=None, width=width, steps=max(rooms))
         else:
-            later = self._replay(size, next_ids, position, d["table_rows"], hidden, room)[:len(seqs)]
-        out = torch.cat([next_ids[:, None], later], 1).tolist()
-        for i, r, k in zip(todo, out, rooms):
-            drafts[i] = r[:k]
-        for seq, (start, ids, _) in zip(seqs, first):
-            if self.reads_features:
+            out = self._replay(size, d, features)[:len(seqs)]
+        for i, row, room in zip(todo, out.tolist(), rooms):
+            drafts[i] = row[:room]
+        if self.reads_features:
+            for seq, (start, ids, _) in zip(seqs, first):
                 self.kv_len[seq.request_id] = start + len(ids)
         return drafts
 
+    def _step_inputs(self, seqs: list[Sequence], rooms: list[int], first: list[tuple[int, list[int], list[int]]],
+                     size: int | None) -> dict[str, torch.Tensor]:
+        """The device inputs of ``_draft_steps`` (one host -> device copy): each sequence's first-step
+        tokens (``first``: ``_first_step`` 's), its table row and room, and for a head the feature
+        rows of the last step. ``size`` (a graph's rows): every sequence's first step padded to
+        ``catch_up`` tokens and the sequences to ``size`` (padding: the pad table row, position 0,
+        ``valid`` 0, no room), else packed, every token valid."""
+        pad_row = self.runner.input_batch.pad_row
+        table_rows = self.runner.input_batch.rows(seqs)
+        per = self.catch_up if size is not None else None
+        host: dict[str, list[int]] = {name: [] for name in ("ids", "positions", "token_rows", "feature_rows", "last")}
+        if per is not None:
+            host["valid"] = []
+        for row, (start, ids, feature_rows) in zip(table_rows, first):
+            pad = 0 if per is None else per - len(ids)
+            host["ids"] += ids + [0] * pad
+            host["positions"] += list(range(start, start + len(ids))) + [0] * pad
+            host["token_rows"] += [row] * len(ids) + [pad_row] * pad
+            host["feature_rows"] += (feature_rows or [0] * len(ids)) + [0] * pad
+            host["last"].append(len(host["ids"]) - pad - 1)
+            if per is not None:
+                host["valid"] += [1] * len(ids) + [0] * pad
+        host["table_rows"], host["room"] = list(table_rows), list(rooms)
+        for _ in range(len(seqs), size or 0):  # padding sequences
+            host["last"].append(len(host["ids"]))
+            for name, value in (("ids", 0), ("positions", 0), ("token_rows", pad_row), ("feature_rows", 0),
+                                ("valid", 0)):
+                host[name] += [value] * per
+            host["table_rows"].append(pad_row)
+            host["room"].append(0)
+        if not self.reads_features:
+            del host["feature_rows"]
+        return to_device_packed({k: torch.tensor(v, dtype=torch.int64) for k, v in host.items()}, self.runner.device)
+
+    def _draft_steps(self, ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
+                     features: torch.Tensor | None, valid: torch.Tensor | None, last: torch.Tensor,
+                     table_rows: torch.Tensor, room: torch.Tensor, width: int, steps: int) -> torch.Tensor:
+        """Every draft step (device ops only, what a graph captures) -> int64 [S, steps] greedy drafts.
+
+        Step 0 runs the first-step tokens ``ids`` at ``positions`` (of the table rows ``token_rows``;
+        ``valid`` 0: padding, written nowhere; None: all valid) as decode tokens, the head over
+        ``project(features)``; ``last`` [S] indexes each sequence's last token, whose prediction is
+        its first draft. Steps 1 .. ``steps - 1`` run one token per sequence (``_later_steps``)."""
+        hidden = None if features is None else self.network.project(features)
+        active = None if valid is None else valid > 0
+        next_ids, hidden = self._run(ids, positions, token_rows, hidden, width, last, active)
+        position = positions.index_select(0, last)
+        later = self._later_steps(next_ids, position, table_rows, hidden, room, width, steps)
+        return torch.cat([next_ids[:, None], later], 1)
+
     def _later_steps(self, ids: torch.Tensor, position: torch.Tensor, table_rows: torch.Tensor,
                      hidden: torch.Tensor | None, room: torch.Tensor, width: int, steps: int) -> torch.Tensor:
-        """Draft steps 1 .. ``steps - 1`` (device ops only, what a graph captures): each runs one
-        token per sequence at the position after its last, the previous step's draft as input; a
-        sequence whose ``room`` (drafts it may take) is used up stays where it is and writes
-        nowhere. int64 [S, steps - 1]."""
+        """Draft steps 1 .. ``steps - 1``: each runs one token per sequence at the position after
+        its last, the previous step's draft as input; a sequence whose ``room`` (drafts it may
+        take) is used up stays where it is and writes nowhere. int64 [S, steps - 1]."""
         drafted = []
         for j in range(1, steps):
             active = room > j
@@ -212,24 +254,25 @@ class ModelDrafter:
         return torch.stack(drafted, 1) if drafted else ids.new_empty(len(ids), 0)
 
     def capture_graphs(self, sizes: list[int]) -> None:
-        """One CUDA graph per batch size in ``sizes`` of draft steps 1 .. k - 1 (``_later_steps``
-        over the whole table width, from static inputs; padding rows have no room and the padding
-        table row), in the runner's graph pool: a draft then costs its first step (eager: its
-        catch-up has a length of its own) and one replay."""
-        r, k, most = self.runner, self.num_speculative_tokens, max(sizes)
-        self._static = {"ids": torch.zeros(most, dtype=torch.int64, device=r.device),
-                        "position": torch.zeros(most, dtype=torch.int64, device=r.device),
-                        "table_rows": torch.full((most,), r.input_batch.pad_row, dtype=torch.int64, device=r.device),
-                        "room": torch.zeros(most, dtype=torch.int64, device=r.device),
-                        "hidden": (torch.zeros(most, self.network.hidden_size, dtype=r.dtype, device=r.device)
-                                   if self.reads_features else None)}
+        """One CUDA graph per batch size in ``sizes`` of every draft step (``_draft_steps`` over the
+        whole table width, the first step padded to ``catch_up`` tokens a sequence, from static
+        inputs), in the runner's graph pool: a draft then costs one copy in, one replay and one
+        copy back."""
+        r, k, most, per = self.runner, self.num_speculative_tokens, max(sizes), self.catch_up
+        ints = {"ids": most * per, "positions": most * per, "token_rows": most * per, "valid": most * per,
+                "last": most, "table_rows": most, "room": most}
+        self._static = {name: torch.zeros(n, dtype=torch.int64, device=r.device) for name, n in ints.items()}
+        self._static["features"] = None
+        if self.reads_features:
+            width = len(self.network.capture_layers) * self.target.config.hidden_size
+            self._static["features"] = torch.zeros(most * per, width, dtype=r.dtype, device=r.device)
         with torch.inference_mode(), r.on_device():
             for size in sorted(sizes, reverse=True):
                 def steps(size=size):
-                    s = self._static
-                    return self._later_steps(s["ids"][:size], s["position"][:size], s["table_rows"][:size],
-                                             None if s["hidden"] is None else s["hidden"][:size], s["room"][:size],
-                                             r.max_blocks_per_seq, k)
+                    s = {name: None if t is None else t[:size * per] if name in ("ids", "positions", "token_rows",
+                                                                                 "valid", "features") else t[:size]
+                         for name, t in self._static.items()}
+                    return self._draft_steps(**s, width=r.max_blocks_per_seq, steps=k)
 
                 side = torch.cuda.Stream(r.device)
                 side.wait_stream(torch.cuda.current_stream(r.device))
@@ -242,19 +285,13 @@ class ModelDrafter:
                 self.graphs[size] = (graph, out)
         torch.cuda.synchronize(r.device)
 
-    def _replay(self, size: int, ids: torch.Tensor, position: torch.Tensor, table_rows: torch.Tensor,
-                hidden: torch.Tensor | None, room: torch.Tensor) -> torch.Tensor:
-        """``_later_steps`` of ``len(ids)`` sequences by the graph of ``size`` rows (padding rows
-        take no room)."""
-        s, n = self._static, len(ids)
-        s["ids"][:n] = ids
-        s["position"][:n] = position
-        s["table_rows"][:n] = table_rows
-        s["table_rows"][n:size] = self.runner.input_batch.pad_row
-        s["room"][:n] = room
-        s["room"][n:size] = 0
-        if hidden is not None:
-            s["hidden"][:n] = hidden
+    def _replay(self, size: int, inputs: dict[str, torch.Tensor], features: torch.Tensor | None) -> torch.Tensor:
+        """``_draft_steps`` of ``inputs`` (padded to ``size`` sequences) by the graph of ``size``."""
+        s = self._static
+        for name, value in inputs.items():
+            s[name][:len(value)].copy_(value)
+        if features is not None:
+            s["features"][:len(features)].copy_(features)
         graph, out = self.graphs[size]
         graph.replay()
         return out

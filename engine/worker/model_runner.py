@@ -161,7 +161,7 @@ class ModelRunner:
             self.capture_decode_graphs(graph_batch_sizes(limit))
         if prefill_graph_tokens:  # after the decode graphs, whose logits hold their blocks of the shared pool
             self.capture_prefill_graphs(prefill_graph_tokens)
-        if cuda_graphs and self.drafter is not None:  # its draft steps after the first, one sequence per row
+        if cuda_graphs and self.drafter is not None:  # every draft step, a graph per number of sequences
             self.drafter.capture_graphs(graph_batch_sizes(min(max_num_seqs, limit)))
 
     @property

@@ -74,11 +74,25 @@ def spy_on_drafts(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
     return calls
 
 
-@pytest.mark.parametrize("case", ["draft", "draft-self", "eagle3", "mtp", "draft-demo", "eagle3-demo"])
+def replay_padded_inputs_eagerly(engine: LLMEngine) -> None:
+    """Draft as the CUDA graphs do, eagerly on the CPU: every draft step from the inputs a graph
+    replays (the first step padded to ``catch_up`` tokens a sequence, the batch padded to 2 or 4
+    sequences), the graph's replay replaced by a call of the function it captures."""
+    drafter = engine.runner.drafter
+    drafter.graphs = {2: None, 4: None}
+    drafter._replay = lambda size, inputs, features: drafter._draft_steps(
+        **inputs, features=features, width=engine.runner.max_blocks_per_seq, steps=drafter.num_speculative_tokens)
+
+
+@pytest.mark.parametrize("case", ["draft", "draft-self", "eagle3", "mtp", "draft-demo", "eagle3-demo",
+                                  "draft-self-padded", "eagle3-padded", "mtp-padded"])
 def test_every_draft_is_the_references_greedy_token_and_decoding_is_lossless(drafters, case):
-    target, options, make_reference = drafters[case]
+    """Also with the padded inputs of the CUDA graphs (``-padded``)."""
+    target, options, make_reference = drafters[case.removesuffix("-padded")]
     args = ENGINE_ARGS if "demo" not in case else dict(ENGINE_ARGS, max_num_batched_tokens=64, max_model_len=1024)
     engine = LLMEngine(target, num_speculative_tokens=3, **options, **args)
+    if case.endswith("-padded"):
+        replay_padded_inputs_eagerly(engine)
     calls = spy_on_drafts(engine)
     prompts = prompts_for(engine, seed=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
