@@ -8,19 +8,22 @@ sequence. The KV of a rejected draft sits where the target's does, and is overwr
 
 Two calls keep it in step with the target:
 
-- ``extend(step)``, by the runner right after each target forward. A draft model runs over the
-  step's tokens exactly as the target did (its KV at each position then holds the same token's,
-  valid wherever the target's is). A head (EAGLE-3, MTP) needs, at position ``t``, token ``t + 1``
-  and the target's features of ``t``: it runs over each entry's positions whose next token the
-  host already knows (prefill chunks but a prompt's last token) and keeps the step's features
-  for the rest (``kv_len``: positions of a request whose head KV holds target features).
+- ``extend(step)``, by the runner right after each target forward, runs the draft network over
+  the positions of the step it can write now, as prefill chunks over their cached prefix (``kv_len``:
+  positions of a request whose draft KV is written). A draft model needs, at position ``t``, token
+  ``t``: it runs over each entry's own tokens not yet in its KV (a prefill chunk; a decode that did
+  not draft), never over drafts: its draft steps wrote their inputs' KV, kept where the target
+  accepted them. A head (EAGLE-3, MTP) needs, at position ``t``, token ``t + 1`` and the target's
+  features of ``t``: it runs over each entry's positions whose next token the host already knows
+  (prefill chunks but a prompt's last token) and keeps the step's features for the rest.
 - ``propose(seqs, rooms)``, by the scheduler before the verify step (every drafting sequence's
   slots taken for ``rooms`` drafts). The first draft step catches up (the head: positions
-  ``[kv_len, n - 1)`` from the last step's features; the draft model: the newest token at
-  ``n - 1``) and predicts the first draft; each further step runs one token per sequence (the
-  head feeding its own ``prenorm``), greedy; one host -> device copy before, one device -> host
-  copy at the end. Under CUDA graphs every step replays from one graph per batch size, the first
-  step padded to ``catch_up`` tokens a sequence (at most k + 1 for a head, 1 for a draft model).
+  ``[kv_len, n - 1)`` from the last step's features; the draft model: positions ``[kv_len, n)``,
+  usually the newest token alone) and predicts the first draft; each further step runs one token
+  per sequence (the head feeding its own ``prenorm``), greedy; one host -> device copy before,
+  one device -> host copy at the end. Under CUDA graphs every step replays from one graph per
+  batch size, the first step padded to ``catch_up`` tokens a sequence (k + 1 for a head, 2 for a
+  draft model; a longer catch-up runs eagerly).
 
 All steps are decode tokens of the paged decode kernel (each with its own context length, as a
 verify entry's), but ``extend``'s chunks, which run as prefill chunks over their cached prefix.
@@ -96,12 +99,14 @@ class ModelDrafter:
         self.reads_features = method != "draft"
         if self.reads_features:
             self.target.model.capture_layers = network.capture_layers
-        self.kv_len: dict[str, int] = {}
+        self.kv_len: dict[str, int] = {}  # request id -> positions whose draft KV is written
+        self._written: dict[str, tuple[int, int]] = {}  # the draft model: (position, drafts its later steps ran)
         self._last_features: torch.Tensor | None = None
         self._last_tokens: dict[str, tuple[int, list[int]]] = {}  # request id -> (first position, token rows)
         self.kv_caches: list[torch.Tensor] = []
-        # the most first-step tokens of a sequence: a head catches up the last step's accepted positions
-        self.catch_up = self.num_speculative_tokens + 1 if self.reads_features else 1
+        # the most first-step tokens of a sequence: the last step's accepted positions (a draft model's: its
+        # last draft's, when every draft was accepted, and the newest token)
+        self.catch_up = self.num_speculative_tokens + 1 if self.reads_features else 2
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, drafts)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -114,43 +119,48 @@ class ModelDrafter:
 
     def forget(self, seq: Sequence) -> None:
         self.kv_len.pop(seq.request_id, None)
+        self._written.pop(seq.request_id, None)
 
     # ---- after each target forward ----
 
     def extend(self, step: ForwardBatch) -> None:
-        """Keep the draft KV in step with the target's after ``step``'s forward (device work only)."""
+        """Keep the draft KV in step with the target's after ``step``'s forward (device work only):
+        run the draft network over each entry's positions it can write now (a head: those whose
+        next token is known; a draft model: the entry's own tokens, not its drafts, not yet in its
+        KV), as prefill chunks over their cached prefix."""
         batch = step.batch
-        if not self.reads_features:
-            attention = step.attention
-            if attention is None:  # a replayed graph: the same context, rebuilt from the static inputs
-                attention = self.runner.decode_context(step.graph_size, self.runner.max_blocks_per_seq)[2]
-            with forward_context(attention):
-                self.network(step.input_ids, step.positions)
-            return
-        tokens = entry_token_rows(batch)
-        features = self.target.model.features
-        self._last_features = features
-        self._last_tokens = {seq.request_id: (start, rows)
-                             for seq, start, rows in zip(batch.seqs, batch.starts, tokens)}
-        chunks = []  # (seq, start, end): positions whose next token is known on the host
-        for seq, start, num in zip(batch.seqs, batch.starts, batch.num_tokens):
-            end = min(start + num, seq.num_known_tokens - 1)
-            if end > start:
-                chunks.append((seq, start, end))
+        if self.reads_features:
+            tokens = entry_token_rows(batch)
+            self._last_features = self.target.model.features
+            self._last_tokens = {seq.request_id: (start, rows)
+                                 for seq, start, rows in zip(batch.seqs, batch.starts, tokens)}
+        chunks = []  # (entry, seq, begin, end): the positions to run
+        for i, (seq, start, num) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
+            if self.reads_features:
+                begin, end = start, min(start + num, seq.num_known_tokens - 1)
+            else:
+                begin, end = max(self.kv_len.get(seq.request_id, 0), start), start + num - len(batch.drafts[i])
+            if end > begin:
+                chunks.append((i, seq, begin, end))
                 self.kv_len[seq.request_id] = end
+                self._written.pop(seq.request_id, None)
         if not chunks:
             return
-        index = {seq.request_id: i for i, seq in enumerate(batch.seqs)}
-        rows = [r for seq, start, end in chunks for r in tokens[index[seq.request_id]][:end - start]]
-        ids = [t for seq, start, end in chunks for t in seq.token_ids[start + 1:end + 1]]
-        table_rows = self.runner.input_batch.rows([seq for seq, _, _ in chunks])
-        positions, attention = self._chunk_context(table_rows, [s for _, s, _ in chunks],
-                                                   [e - s for _, s, e in chunks])
-        d = to_device_packed({"rows": torch.tensor(rows, dtype=torch.int64),
-                              "ids": torch.tensor(ids, dtype=torch.int64)}, self.runner.device)
-        hidden = self.network.project(features.index_select(0, d["rows"]))
+        table_rows = self.runner.input_batch.rows([seq for _, seq, _, _ in chunks])
+        positions, attention = self._chunk_context(table_rows, [b for _, _, b, _ in chunks],
+                                                   [e - b for _, _, b, e in chunks])
+        if self.reads_features:  # at position t: token t + 1 and the target's features of t
+            host = {"ids": [t for _, seq, b, e in chunks for t in seq.token_ids[b + 1:e + 1]],
+                    "rows": [r for i, _, b, e in chunks for r in tokens[i][:e - b]]}
+        else:
+            host = {"ids": [t for _, seq, b, e in chunks for t in seq.token_ids[b:e]]}
+        d = to_device_packed({k: torch.tensor(v, dtype=torch.int64) for k, v in host.items()}, self.runner.device)
         with forward_context(attention):
-            self.network(positions, self.target.model.embed_tokens(d["ids"]), hidden)
+            if self.reads_features:
+                hidden = self.network.project(self._last_features.index_select(0, d["rows"]))
+                self.network(positions, self.target.model.embed_tokens(d["ids"]), hidden)
+            else:
+                self.network(d["ids"], positions)
 
     # ---- before the verify step ----
 
@@ -183,11 +193,11 @@ class ModelDrafter:
             out = self._draft_steps(**d, features=features, valid=None, width=width, steps=max(rooms))
         else:
             out = self._replay(size, d, features)[:len(seqs)]
-        for i, row, room in zip(todo, out.tolist(), rooms):
+        for i, seq, (start, ids, _), row, room in zip(todo, seqs, first, out.tolist(), rooms):
             drafts[i] = row[:room]
-        if self.reads_features:
-            for seq, (start, ids, _) in zip(seqs, first):
-                self.kv_len[seq.request_id] = start + len(ids)
+            self.kv_len[seq.request_id] = start + len(ids)
+            if not self.reads_features:  # the later steps ran room - 1 drafts from position kv_len on
+                self._written[seq.request_id] = (start + len(ids), room - 1)
         return drafts
 
     def _step_inputs(self, seqs: list[Sequence], rooms: list[int], first: list[tuple[int, list[int], list[int]]],
@@ -298,16 +308,26 @@ class ModelDrafter:
 
     def _first_step(self, seq: Sequence) -> tuple[int, list[int], list[int]] | None:
         """(first position, input ids, feature rows of the last step) of ``seq``'s first draft step,
-        None when it cannot draft. The draft model: its newest token. A head: positions
-        ``[kv_len, n - 1)`` with the tokens after them, their features from the last step."""
+        None when it cannot draft. The draft model: positions ``[kv_len, n)``, its own tokens, where
+        ``kv_len`` has grown by the positions the last draft's later steps wrote before ``n - 1`` (then
+        the first step runs the newest token, and the last draft after a fully accepted draft; more
+        after steps it did not draft). A head:
+        positions ``[kv_len, n - 1)`` with the tokens after them, their features from the last step."""
         n = seq.num_known_tokens
+        kv_len = self.kv_len.get(seq.request_id)
         if not self.reads_features:
-            return n - 1, [seq.last_token_id], []
+            if kv_len is None:
+                return None
+            position, count = self._written.pop(seq.request_id, (kv_len, 0))
+            if position == kv_len:  # those before n - 1 held accepted drafts (the first rejected one sat at n - 1)
+                kv_len += count
+            start = min(kv_len, n - 1)
+            return start, seq.token_ids[start:n], []
         last = self._last_tokens.get(seq.request_id)
         if last is None:
             return None
         step_start, rows = last
-        start = max(self.kv_len.get(seq.request_id, 0), step_start)
+        start = max(kv_len or 0, step_start)
         if start >= n - 1 or n - 1 > step_start + len(rows):
             return None
         return start, seq.token_ids[start + 1:n], rows[start - step_start:n - 1 - step_start]
