@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from engine.worker.forward_batch import ForwardBatch
 
 MODEL_METHODS = ("draft", "eagle3", "mtp")
+PER_TOKEN = ("ids", "positions", "token_rows", "valid", "features")  # the draft graphs' static inputs of each
+# first-step token (padded to catch_up a sequence); the others are one per sequence
 
 
 def build_draft_network(config: EngineConfig, target: nn.Module, tp: TPGroup) -> nn.Module:
@@ -264,44 +266,53 @@ class ModelDrafter:
         return torch.stack(drafted, 1) if drafted else ids.new_empty(len(ids), 0)
 
     def capture_graphs(self, sizes: list[int]) -> None:
-        """One CUDA graph per batch size in ``sizes`` of every draft step (``_draft_steps`` over the
-        whole table width, the first step padded to ``catch_up`` tokens a sequence, from static
-        inputs), in the runner's graph pool: a draft then costs one copy in, one replay and one
-        copy back."""
-        r, k, most, per = self.runner, self.num_speculative_tokens, max(sizes), self.catch_up
-        ints = {"ids": most * per, "positions": most * per, "token_rows": most * per, "valid": most * per,
-                "last": most, "table_rows": most, "room": most}
-        self._static = {name: torch.zeros(n, dtype=torch.int64, device=r.device) for name, n in ints.items()}
+        """One CUDA graph per batch size in ``sizes`` of every draft step (``_from_static``), in the
+        runner's graph pool: a draft then costs one copy in, one replay and one copy back."""
+        r = self.runner
+        self.allocate_static(max(sizes))
+        with torch.inference_mode(), r.on_device():
+            for size in sorted(sizes, reverse=True):
+                side = torch.cuda.Stream(r.device)
+                side.wait_stream(torch.cuda.current_stream(r.device))
+                with torch.cuda.stream(side):
+                    self._from_static(size)  # warm-up outside the capture
+                torch.cuda.current_stream(r.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=r.graph_pool):
+                    out = self._from_static(size)
+                self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(r.device)
+
+    def allocate_static(self, most: int) -> None:
+        """The graphs' static inputs for up to ``most`` sequences (``_step_inputs`` 's, padded, and
+        a head's features), zeros: every token padding."""
+        r, per = self.runner, self.catch_up
+        self._static = {name: torch.zeros(most * per if name in PER_TOKEN else most, dtype=torch.int64,
+                                          device=r.device)
+                        for name in ("ids", "positions", "token_rows", "valid", "last", "table_rows", "room")}
         self._static["features"] = None
         if self.reads_features:
             width = len(self.network.capture_layers) * self.target.config.hidden_size
             self._static["features"] = torch.zeros(most * per, width, dtype=r.dtype, device=r.device)
-        with torch.inference_mode(), r.on_device():
-            for size in sorted(sizes, reverse=True):
-                def steps(size=size):
-                    s = {name: None if t is None else t[:size * per] if name in ("ids", "positions", "token_rows",
-                                                                                 "valid", "features") else t[:size]
-                         for name, t in self._static.items()}
-                    return self._draft_steps(**s, width=r.max_blocks_per_seq, steps=k)
 
-                side = torch.cuda.Stream(r.device)
-                side.wait_stream(torch.cuda.current_stream(r.device))
-                with torch.cuda.stream(side):
-                    steps()  # warm-up outside the capture
-                torch.cuda.current_stream(r.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=r.graph_pool):
-                    out = steps()
-                self.graphs[size] = (graph, out)
-        torch.cuda.synchronize(r.device)
+    def load_static(self, inputs: dict[str, torch.Tensor], features: torch.Tensor | None) -> None:
+        """Copy ``_step_inputs`` 's padded ``inputs`` (and a head's ``features`` of their first-step
+        tokens) into the static inputs."""
+        for name, value in inputs.items():
+            self._static[name][:len(value)].copy_(value)
+        if features is not None:
+            self._static["features"][:len(features)].copy_(features)
+
+    def _from_static(self, size: int) -> torch.Tensor:
+        """``_draft_steps`` of the first ``size`` sequences of the static inputs, over the whole table
+        width, k steps (what the graph of ``size`` captures)."""
+        rows = {name: size * self.catch_up if name in PER_TOKEN else size for name in self._static}
+        s = {name: None if t is None else t[:rows[name]] for name, t in self._static.items()}
+        return self._draft_steps(**s, width=self.runner.max_blocks_per_seq, steps=self.num_speculative_tokens)
 
     def _replay(self, size: int, inputs: dict[str, torch.Tensor], features: torch.Tensor | None) -> torch.Tensor:
         """``_draft_steps`` of ``inputs`` (padded to ``size`` sequences) by the graph of ``size``."""
-        s = self._static
-        for name, value in inputs.items():
-            s[name][:len(value)].copy_(value)
-        if features is not None:
-            s["features"][:len(features)].copy_(features)
+        self.load_static(inputs, features)
         graph, out = self.graphs[size]
         graph.replay()
         return out

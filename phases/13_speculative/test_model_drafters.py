@@ -75,13 +75,18 @@ def spy_on_drafts(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
 
 
 def replay_padded_inputs_eagerly(engine: LLMEngine) -> None:
-    """Draft as the CUDA graphs do, eagerly on the CPU: every draft step from the inputs a graph
-    replays (the first step padded to ``catch_up`` tokens a sequence, the batch padded to 2 or 4
-    sequences), the graph's replay replaced by a call of the function it captures."""
+    """Draft as the CUDA graphs do, eagerly on the CPU: every draft step from the static inputs a
+    graph replays (the first step padded to ``catch_up`` tokens a sequence, the batch padded to 2
+    or 4 sequences), the graph's replay replaced by a call of the function it captures."""
     drafter = engine.runner.drafter
+    drafter.allocate_static(4)
     drafter.graphs = {2: None, 4: None}
-    drafter._replay = lambda size, inputs, features: drafter._draft_steps(
-        **inputs, features=features, width=engine.runner.max_blocks_per_seq, steps=drafter.num_speculative_tokens)
+
+    def replay(size, inputs, features):
+        drafter.load_static(inputs, features)
+        return drafter._from_static(size)
+
+    drafter._replay = replay
 
 
 @pytest.mark.parametrize("case", ["draft", "draft-self", "eagle3", "mtp", "draft-demo", "eagle3-demo",
