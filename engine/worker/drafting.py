@@ -102,7 +102,8 @@ class ModelDrafter:
         if self.reads_features:
             self.target.model.capture_layers = network.capture_layers
         self.kv_len: dict[str, int] = {}  # request id -> positions whose draft KV is written
-        self._written: dict[str, tuple[int, int]] = {}  # the draft model: (position, drafts its later steps ran)
+        # the draft model: drafts its last draft's later steps ran from position kv_len on (dropped when kv_len moves)
+        self._written: dict[str, int] = {}
         self._last_features: torch.Tensor | None = None
         self._last_tokens: dict[str, tuple[int, list[int]]] = {}  # request id -> (first position, token rows)
         self.kv_caches: list[torch.Tensor] = []
@@ -199,7 +200,7 @@ class ModelDrafter:
             drafts[i] = row[:room]
             self.kv_len[seq.request_id] = start + len(ids)
             if not self.reads_features:  # the later steps ran room - 1 drafts from position kv_len on
-                self._written[seq.request_id] = (start + len(ids), room - 1)
+                self._written[seq.request_id] = room - 1
         return drafts
 
     def _step_inputs(self, seqs: list[Sequence], rooms: list[int], first: list[tuple[int, list[int], list[int]]],
@@ -210,30 +211,21 @@ class ModelDrafter:
         ``catch_up`` tokens and the sequences to ``size`` (padding: the pad table row, position 0,
         ``valid`` 0, no room), else packed, every token valid."""
         pad_row = self.runner.input_batch.pad_row
-        table_rows = self.runner.input_batch.rows(seqs)
+        entries = [(row, *f) for row, f in zip(self.runner.input_batch.rows(seqs), first)]
+        entries += [(pad_row, 0, [], [])] * ((size or 0) - len(seqs))  # padding sequences: no tokens
         per = self.catch_up if size is not None else None
-        host: dict[str, list[int]] = {name: [] for name in ("ids", "positions", "token_rows", "feature_rows", "last")}
-        if per is not None:
-            host["valid"] = []
-        for row, (start, ids, feature_rows) in zip(table_rows, first):
+        columns = ["ids", "positions", "token_rows"] + ["feature_rows"] * self.reads_features + ["valid"] * bool(per)
+        host: dict[str, list[int]] = {name: [] for name in columns}
+        host["last"] = []
+        for row, start, ids, feature_rows in entries:
+            tokens = {"ids": ids, "positions": range(start, start + len(ids)), "token_rows": [row] * len(ids),
+                      "feature_rows": feature_rows, "valid": [1] * len(ids)}
             pad = 0 if per is None else per - len(ids)
-            host["ids"] += ids + [0] * pad
-            host["positions"] += list(range(start, start + len(ids))) + [0] * pad
-            host["token_rows"] += [row] * len(ids) + [pad_row] * pad
-            host["feature_rows"] += (feature_rows or [0] * len(ids)) + [0] * pad
+            for name in columns:
+                host[name] += [*tokens[name], *[pad_row if name == "token_rows" else 0] * pad]
             host["last"].append(len(host["ids"]) - pad - 1)
-            if per is not None:
-                host["valid"] += [1] * len(ids) + [0] * pad
-        host["table_rows"], host["room"] = list(table_rows), list(rooms)
-        for _ in range(len(seqs), size or 0):  # padding sequences
-            host["last"].append(len(host["ids"]))
-            for name, value in (("ids", 0), ("positions", 0), ("token_rows", pad_row), ("feature_rows", 0),
-                                ("valid", 0)):
-                host[name] += [value] * per
-            host["table_rows"].append(pad_row)
-            host["room"].append(0)
-        if not self.reads_features:
-            del host["feature_rows"]
+        host["table_rows"] = [row for row, *_ in entries]
+        host["room"] = rooms + [0] * (len(entries) - len(seqs))
         return to_device_packed({k: torch.tensor(v, dtype=torch.int64) for k, v in host.items()}, self.runner.device)
 
     def _draft_steps(self, ids: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
@@ -329,10 +321,8 @@ class ModelDrafter:
         if not self.reads_features:
             if kv_len is None:
                 return None
-            position, count = self._written.pop(seq.request_id, (kv_len, 0))
-            if position == kv_len:  # those before n - 1 held accepted drafts (the first rejected one sat at n - 1)
-                kv_len += count
-            start = min(kv_len, n - 1)
+            # those before n - 1 held accepted drafts (the first rejected one sat at n - 1)
+            start = min(kv_len + self._written.pop(seq.request_id, 0), n - 1)
             return start, seq.token_ids[start:n], []
         last = self._last_tokens.get(seq.request_id)
         if last is None:
