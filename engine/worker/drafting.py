@@ -111,6 +111,7 @@ class ModelDrafter:
         # last draft's, when every draft was accepted, and the newest token)
         self.catch_up = self.num_speculative_tokens + 1 if self.reads_features else 2
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, drafts)
+        self.graph_replays = 0  # drafts made by replaying a graph
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return kv_bytes_per_token(self.network, dtype)
@@ -307,6 +308,7 @@ class ModelDrafter:
         self.load_static(inputs, features)
         graph, out = self.graphs[size]
         graph.replay()
+        self.graph_replays += 1
         return out
 
     def _first_step(self, seq: Sequence) -> tuple[int, list[int], list[int]] | None:
