@@ -191,9 +191,9 @@ class ModelDrafter:
         if self.reads_features:
             features = self._last_features.index_select(0, d.pop("feature_rows"))
         if size is None:
-            positions = [start + len(ids) for start, ids, _ in first]
+            last_position = max(start + len(ids) - 1 for start, ids, _ in first)
             width = min(self.runner.max_blocks_per_seq,
-                        math.ceil((max(positions) - 1 + max(rooms)) / self.runner.block_size))
+                        math.ceil((last_position + max(rooms)) / self.runner.block_size))
             out = self._draft_steps(**d, features=features, valid=None, width=width, steps=max(rooms))
         else:
             out = self._replay(size, d, features)[:len(seqs)]
@@ -314,10 +314,10 @@ class ModelDrafter:
     def _first_step(self, seq: Sequence) -> tuple[int, list[int], list[int]] | None:
         """(first position, input ids, feature rows of the last step) of ``seq``'s first draft step,
         None when it cannot draft. The draft model: positions ``[kv_len, n)``, its own tokens, where
-        ``kv_len`` has grown by the positions the last draft's later steps wrote before ``n - 1`` (then
-        the first step runs the newest token, and the last draft after a fully accepted draft; more
-        after steps it did not draft). A head:
-        positions ``[kv_len, n - 1)`` with the tokens after them, their features from the last step."""
+        ``kv_len`` has grown by the positions the last draft's later steps wrote before ``n - 1``: the
+        newest token, and the last draft after a fully accepted draft (``extend`` wrote the rest). A
+        head: positions ``[kv_len, n - 1)`` with the tokens after them, their features from the last
+        step."""
         n = seq.num_known_tokens
         kv_len = self.kv_len.get(seq.request_id)
         if not self.reads_features:
