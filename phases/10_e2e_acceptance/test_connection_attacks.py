@@ -152,17 +152,38 @@ def still_open(sock: socket.socket) -> bool:
     return False
 
 
+def health(url: str, source: str = "127.0.0.1", context: ssl.SSLContext | None = None) -> int:
+    """The status of ``GET /health`` on a new connection from ``source`` (HTTPS with ``context``)."""
+    options = {"timeout": GUARD_S, "source_address": (source, 0)}
+    connection = (http.client.HTTPSConnection(*address(url), context=context, **options) if context
+                  else http.client.HTTPConnection(*address(url), **options))
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def served_again(url: str, source: str = "127.0.0.1", context: ssl.SSLContext | None = None) -> bool:
+    """Whether a new connection from ``source`` is served (a 200 on ``/health``) within the guard,
+    asked again while it is refused (a 503 or 429, or closed: the server sees a close a moment late)."""
+    deadline = time.monotonic() + GUARD_S
+    while time.monotonic() < deadline:
+        try:
+            if health(url, source, context) == 200:
+                return True
+        except (OSError, http.client.HTTPException):  # ssl.SSLError is an OSError
+            pass
+        time.sleep(0.05)
+    return False
+
+
 def health_times(url: str, done: threading.Event) -> list[float]:
     """``GET /health`` on a new connection, again and again until ``done`` is set: each answer's seconds."""
     times = []
     while not done.is_set() or not times:
         start = time.monotonic()
-        connection = http.client.HTTPConnection(*address(url), timeout=GUARD_S)
-        try:
-            connection.request("GET", "/health")
-            assert connection.getresponse().status == 200
-        finally:
-            connection.close()
+        assert health(url) == 200
         times.append(time.monotonic() - start)
     return times
 
@@ -324,17 +345,7 @@ def test_a_client_address_has_a_cap_of_open_connections(keyed):
         with connect(keyed.url, "127.0.0.31") as sock:
             assert get_health(sock) == 200
         held.pop().close()
-        deadline = time.monotonic() + GUARD_S
-        while True:  # the server sees the close a moment later
-            with connect(keyed.url, "127.0.0.30") as sock:
-                sock.sendall(request_bytes("GET", "/health"))
-                try:
-                    if answer(sock).status == 200:
-                        break
-                except (OSError, http.client.HTTPException):
-                    pass
-            assert time.monotonic() < deadline, "the address never connected again after one of its connections closed"
-            time.sleep(0.05)
+        assert served_again(keyed.url, "127.0.0.30"), "the address never connected again after a connection closed"
     finally:
         for sock in held:
             sock.close()
@@ -360,19 +371,29 @@ def test_a_malformed_request_is_one_log_line(served, caplog):
     assert not [r for r in caplog.records if r.exc_info is not None], "a client's malformed request logged a traceback"
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_tls_serves_keep_alive_streams_and_closes_a_stalled_handshake(model, tmp_path):
-    """Over HTTPS a keep-alive client streams twice on one connection; a connection that never
-    finishes its TLS handshake is closed by the header deadline."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def certificate(directory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key, written in ``directory``: their paths."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
+                                   reason="needs the openssl command to make a certificate")
+
+
+@needs_openssl
+def test_tls_serves_keep_alive_streams_and_closes_a_stalled_handshake(model, tmp_path):
+    """Over HTTPS a keep-alive client streams twice on one connection; a connection that never
+    finishes its TLS handshake is closed by the header deadline."""
+    cert, key = certificate(tmp_path)
     engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-    with running_server(engine, ssl_files=(str(cert), str(key)), connection_limits=SHORT) as running:
+    with running_server(engine, ssl_files=(cert, key), connection_limits=SHORT) as running:
         host, port = address(running.url)
         connection = http.client.HTTPSConnection(host, port, timeout=GUARD_S,
-                                                 context=ssl.create_default_context(cafile=str(cert)))
+                                                 context=ssl.create_default_context(cafile=cert))
         body = json.dumps({"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "stream": True})
         texts = []
         for _ in range(2):
@@ -386,6 +407,30 @@ def test_tls_serves_keep_alive_streams_and_closes_a_stalled_handshake(model, tmp
         with connect(f"https://{host}:{port}") as sock:
             assert closed(sock) == b""  # never sent its ClientHello
         wait_idle(running.engine_client)
+
+
+@needs_openssl
+def test_a_tls_connection_counts_against_the_caps_from_its_accept(model, tmp_path):
+    """Over TLS a connection counts against its address's cap from its accept, its handshake
+    included: with 4 connections of one address open and none of them handshaking, its fifth is
+    closed at once without a byte (no response can be read before a handshake) while another
+    address is served; once one of the four closes, the address is served again. (Counted from
+    the handshake's end, a flood of connections that never handshake would be under no cap.)"""
+    cert, key = certificate(tmp_path)
+    context = ssl.create_default_context(cafile=cert)
+    engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    with running_server(engine, ssl_files=(cert, key), connection_limits=LONG) as running:
+        held = [connect(running.url, "127.0.0.50") for _ in range(PER_CLIENT)]
+        try:
+            with connect(running.url, "127.0.0.50") as sock:
+                assert closed(sock) == b"", "a connection past its address's cap waited for its handshake"
+            assert health(running.url, "127.0.0.51", context) == 200
+            held.pop().close()
+            assert served_again(running.url, "127.0.0.50", context), \
+                "the address was never served again after a connection closed"
+        finally:
+            for sock in held:
+                sock.close()
 
 
 def test_the_file_descriptor_budget_refuses_connections_and_keeps_serving(model):
@@ -417,17 +462,7 @@ def test_the_file_descriptor_budget_refuses_connections_and_keeps_serving(model)
                 sock.close()
         assert all(read == b"" or read.startswith(b"HTTP/1.1 503 ") for read in reads), {r[:100] for r in reads}
         assert not all_at_once or any(reads), "600 connections at once and none refused"
-        deadline = time.monotonic() + GUARD_S
-        while True:
-            fresh = http.client.HTTPConnection(*address(server.url), timeout=GUARD_S)
-            try:
-                fresh.request("GET", "/health")
-                if fresh.getresponse().status == 200:
-                    break
-            finally:
-                fresh.close()
-            assert time.monotonic() < deadline, "a new connection is never served after the flood"
-            time.sleep(0.1)
+        assert served_again(server.url), "a new connection is never served after the flood"
         before.close()
     finally:
         rc = stop_server_process(server, signal.SIGINT)

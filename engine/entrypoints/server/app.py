@@ -165,7 +165,6 @@ class OpenAIServer:
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
         self.app.on_shutdown.append(self._stop_engine_client)
         self._runner: web.AppRunner | None = None
-        self._listener: asyncio.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
         event_loop = asyncio.get_running_loop()
@@ -176,13 +175,13 @@ class OpenAIServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=10, access_log=None,
                                      auto_decompress=False, **self.connections.handler_options())
         await self._runner.setup()
-        self._listener = await self.connections.listen(self._runner.server, host, port, self.ssl_context)
+        port = await self.connections.listen(self._runner.server, host, port, self.ssl_context)
         # What start-up made (torch, transformers, the model, ~400k objects) lives as long as the process: out of
         # the collector's sight, a full collection takes ~10 ms instead of holding the interpreter lock ~0.45 s,
         # which stalled every stream each time requests' garbage set one off (vLLM's engine core does the same).
         gc.freeze()
         self.engine_client.start()
-        return self._listener.sockets[0].getsockname()[1]
+        return port
 
     async def shutdown(self, timeout: float) -> None:
         """Graceful drain: refuse new requests, let those in flight finish for up to ``timeout``
@@ -199,8 +198,7 @@ class OpenAIServer:
         await asyncio.sleep(0.2)  # handlers write the error of what was aborted
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
+        self.connections.close()
         if self._runner is not None:
             await self._runner.cleanup()
         self.workers.shutdown(wait=False, cancel_futures=True)
