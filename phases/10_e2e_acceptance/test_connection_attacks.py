@@ -152,9 +152,11 @@ def still_open(sock: socket.socket) -> bool:
     return False
 
 
-def health(url: str, source: str = "127.0.0.1", context: ssl.SSLContext | None = None) -> int:
-    """The status of ``GET /health`` on a new connection from ``source`` (HTTPS with ``context``)."""
-    options = {"timeout": GUARD_S, "source_address": (source, 0)}
+def health(url: str, source: str | None = None, context: ssl.SSLContext | None = None) -> int:
+    """The status of ``GET /health`` on a new connection, from ``source`` if given (HTTPS with
+    ``context``). Without one the system picks the port, which may reuse one in TIME_WAIT: polled
+    often, a bound source port could be refused (EADDRINUSE)."""
+    options = {"timeout": GUARD_S, "source_address": (source, 0) if source else None}
     connection = (http.client.HTTPSConnection(*address(url), context=context, **options) if context
                   else http.client.HTTPConnection(*address(url), **options))
     try:
@@ -164,7 +166,7 @@ def health(url: str, source: str = "127.0.0.1", context: ssl.SSLContext | None =
         connection.close()
 
 
-def served_again(url: str, source: str = "127.0.0.1", context: ssl.SSLContext | None = None) -> bool:
+def served_again(url: str, source: str | None = None, context: ssl.SSLContext | None = None) -> bool:
     """Whether a new connection from ``source`` is served (a 200 on ``/health``) within the guard,
     asked again while it is refused (a 503 or 429, or closed: the server sees a close a moment late)."""
     deadline = time.monotonic() + GUARD_S

@@ -164,9 +164,10 @@ class Connections:
 
     async def listen(self, make_handler: Callable[[], asyncio.Protocol], host: str, port: int,
                      ssl_context: ssl.SSLContext | None) -> int:
-        """Listen on every address of ``host`` at ``port`` (TLS with ``ssl_context``, its handshake
-        within the header deadline), each connection admitted served by a ``make_handler()``
-        (``runner.server``); returns the port of the first address (``port`` 0: one the system chose)."""
+        """Listen on every address of ``host`` (``""``: every interface) at ``port`` (TLS with
+        ``ssl_context``, its handshake within the header deadline), each connection admitted served
+        by a ``make_handler()`` (``runner.server``); returns the port of the first address (``port``
+        0: one the system chose). An address family the kernel lacks is skipped, as asyncio does."""
         budget = fd_budget()
         self.capacity = min(self.limits.max_connections or budget, budget)
         if self.capacity < self.limits.max_connections:
@@ -180,10 +181,16 @@ class Connections:
                  self.capacity, self.limits.max_connections_per_client or "any number",
                  self.limits.header_timeout, self.limits.body_timeout, self.limits.keep_alive_timeout)
         loop = asyncio.get_running_loop()
-        addresses = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         try:
             for family, address in dict.fromkeys((family, address) for family, *_, address in addresses):
-                self._listening.append(socket.create_server(address, family=family, backlog=BACKLOG))
+                try:
+                    self._listening.append(socket.create_server(address, family=family, backlog=BACKLOG))
+                except OSError as error:
+                    if error.errno != errno.EAFNOSUPPORT:  # a family the kernel lacks (IPv6) is skipped
+                        raise
+            if not self._listening:
+                raise OSError(errno.EAFNOSUPPORT, f"no address of {host!r} can be listened on here")
         except OSError:  # an address taken: none is kept
             self.close()
             raise
